@@ -1,0 +1,282 @@
+//! The contract between sidestep's BPF programs and its userspace.
+//!
+//! Every map key and value is `#[repr(C)]`, has no implicit padding, and is shared verbatim by both
+//! sides. Addresses are stored in network byte order as IPv6 words; IPv4 addresses use the
+//! IPv4-mapped form (`::ffff:a.b.c.d`) so that one code path and one LPM trie serve both families.
+//! Ports are stored in host byte order.
+#![no_std]
+
+/// Names of the maps in the BPF object. Userspace pins each under `<pin_root>/maps/<name>`.
+pub mod map_names {
+    pub const POD_POLICY: &str = "SIDESTEP_POD";
+    pub const PORT_RULES: &str = "SIDESTEP_PORTS";
+    pub const CIDR_RULES: &str = "SIDESTEP_CIDRS";
+    pub const COUNTERS: &str = "SIDESTEP_COUNTERS";
+    pub const SOCKET_ORIG_DST: &str = "SIDESTEP_SK_ORIG";
+    pub const PENDING_ORIG_DST: &str = "SIDESTEP_PENDING";
+    pub const ALL: [&str; 6] = [
+        POD_POLICY,
+        PORT_RULES,
+        CIDR_RULES,
+        COUNTERS,
+        SOCKET_ORIG_DST,
+        PENDING_ORIG_DST,
+    ];
+}
+
+/// Names of the programs (their Rust function names in the BPF crate).
+pub mod program_names {
+    pub const CONNECT4: &str = "sidestep_connect4";
+    pub const CONNECT6: &str = "sidestep_connect6";
+    pub const GETPEERNAME4: &str = "sidestep_getpeername4";
+    pub const GETPEERNAME6: &str = "sidestep_getpeername6";
+    pub const SOCK_OPS: &str = "sidestep_sockops";
+    pub const GETSOCKOPT: &str = "sidestep_getsockopt";
+}
+
+/// Default capacities. Userspace may override them at load time.
+pub mod capacity {
+    pub const PODS: u32 = 4096;
+    pub const PORT_RULES: u32 = 65536;
+    pub const CIDR_RULES: u32 = 65536;
+    /// Tuples between the client's SYN and the proxy's accept. Entries live for one handshake.
+    pub const PENDING: u32 = 65536;
+}
+
+pub mod defaults {
+    pub const PROXY_UID: u32 = 1337;
+    pub const PROXY_GID: u32 = 1337;
+    pub const OUTBOUND_PORT: u16 = 15001;
+    pub const INBOUND_PORT: u16 = 15006;
+    pub const DNS_PORT: u16 = 15053;
+    /// HBONE; never captured in either direction.
+    pub const TUNNEL_PORT: u16 = 15008;
+    /// Inbound ports that Istio never captures whatever the annotations say.
+    pub const ALWAYS_EXCLUDED_INBOUND: [u16; 4] = [15008, 15020, 15021, 15090];
+}
+
+/// `PodPolicy::flags` bits.
+pub mod flags {
+    /// Inbound TCP is captured (includeInboundPorts is not empty).
+    pub const INBOUND: u32 = 1 << 0;
+    /// includeInboundPorts is `*`: every port not excluded is captured.
+    pub const INBOUND_ALL_PORTS: u32 = 1 << 1;
+    /// Outbound capture is on (includeOutboundIPRanges or includeOutboundPorts not empty).
+    pub const OUTBOUND: u32 = 1 << 2;
+    /// The pod has excludeOutboundPorts entries, so connect must consult `SIDESTEP_PORTS`.
+    pub const HAS_OUT_PORT_EXCLUDES: u32 = 1 << 3;
+    /// The pod has includeOutboundPorts entries.
+    pub const HAS_OUT_PORT_INCLUDES: u32 = 1 << 4;
+    /// The pod has excludeOutboundIPRanges entries.
+    pub const HAS_OUT_CIDR_EXCLUDES: u32 = 1 << 5;
+    /// DNS (port 53) capture to `dns_port`.
+    pub const DNS_CAPTURE: u32 = 1 << 6;
+    /// Inbound interception mode TPROXY (the app sees the real client address).
+    pub const TPROXY: u32 = 1 << 7;
+    /// The proxy's connections to its own pod IP go back through the inbound listener.
+    pub const HAIRPIN: u32 = 1 << 8;
+    /// Capture IPv6 outbound too. Istio captures IPv6 only when the pod has an IPv6 address.
+    pub const IPV6: u32 = 1 << 9;
+}
+
+/// Per-pod policy, keyed by network-namespace cookie (`u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodPolicy {
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    pub outbound_port: u16,
+    pub inbound_port: u16,
+    pub dns_port: u16,
+    pub _reserved: u16,
+    pub flags: u32,
+}
+
+/// `PortKey::direction` values.
+pub mod port_list {
+    pub const OUTBOUND_EXCLUDE: u32 = 0;
+    pub const OUTBOUND_INCLUDE: u32 = 1;
+    pub const INBOUND_EXCLUDE: u32 = 2;
+    pub const INBOUND_INCLUDE: u32 = 3;
+}
+
+/// Key of `SIDESTEP_PORTS`. The value is a `u8` that is always 1: presence is the rule.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PortKey {
+    pub netns_cookie: u64,
+    pub list: u32,
+    pub port: u32,
+}
+
+/// `CidrKey::list` values.
+pub mod cidr_list {
+    pub const OUTBOUND_EXCLUDE: u32 = 0;
+    pub const OUTBOUND_INCLUDE: u32 = 1;
+    /// The pod's own addresses (host routes), used for hairpin detection.
+    pub const POD_ADDRESS: u32 = 2;
+}
+
+/// Bits of `CidrKey` that precede the address: cookie (64) and list (32).
+pub const CIDR_KEY_FIXED_BITS: u32 = 96;
+
+/// Data part of an `SIDESTEP_CIDRS` LPM-trie key. Only 4-byte alignment, because the kernel requires
+/// the data to follow the 4-byte prefix length with no padding. The value is a `u8` set to 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CidrKey {
+    /// The netns cookie as two native-endian words; all 64 bits always take part in the match.
+    pub netns_cookie: [u32; 2],
+    /// Big-endian so that the trie compares the list id byte-wise as one unit.
+    pub list_be: u32,
+    /// IPv6 address, or an IPv4 address in IPv4-mapped form, in network byte order.
+    pub addr: [u8; 16],
+}
+
+impl CidrKey {
+    pub const fn new(netns_cookie: u64, list: u32, addr: [u8; 16]) -> Self {
+        Self {
+            netns_cookie: [netns_cookie as u32, (netns_cookie >> 32) as u32],
+            list_be: list.to_be(),
+            addr,
+        }
+    }
+}
+
+/// `OrigDst::kind` values.
+pub mod redirect_kind {
+    pub const OUTBOUND: u16 = 1;
+    pub const INBOUND: u16 = 2;
+    pub const DNS: u16 = 3;
+}
+
+/// What the socket's peer really was before sidestep redirected it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrigDst {
+    /// IPv6 words in network byte order; IPv4 in IPv4-mapped form.
+    pub addr: [u32; 4],
+    /// Network byte order, as sockaddr carries it.
+    pub port_be: u16,
+    /// `redirect_kind`.
+    pub kind: u16,
+    /// `AF_INET` or `AF_INET6`: which `SO_ORIGINAL_DST` level answers for this connection.
+    pub family: u16,
+    /// `socket_side`: whose socket this record is on.
+    pub side: u16,
+}
+
+/// `OrigDst::side` values.
+pub mod socket_side {
+    /// The app's connecting socket: getpeername reports the original destination.
+    pub const CLIENT: u16 = 0;
+    /// The proxy's accepted socket: getpeername reports the real peer.
+    pub const ACCEPTED: u16 = 1;
+}
+
+/// Key of `SIDESTEP_PENDING`: a TCP connection as both of its ends see it, client first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TupleKey {
+    pub netns_cookie: u64,
+    pub client_addr: [u32; 4],
+    pub server_addr: [u32; 4],
+    pub client_port: u16,
+    pub server_port: u16,
+    pub _reserved: u32,
+}
+
+/// Per-pod, per-CPU counters, keyed by netns cookie.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub redirected_outbound: u64,
+    pub redirected_inbound: u64,
+    pub passed_outbound: u64,
+    pub passed_inbound: u64,
+    pub dns_redirected: u64,
+    pub orig_dst_hits: u64,
+    pub orig_dst_misses: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, other: &Counters) {
+        self.redirected_outbound += other.redirected_outbound;
+        self.redirected_inbound += other.redirected_inbound;
+        self.passed_outbound += other.passed_outbound;
+        self.passed_inbound += other.passed_inbound;
+        self.dns_redirected += other.dns_redirected;
+        self.orig_dst_hits += other.orig_dst_hits;
+        self.orig_dst_misses += other.orig_dst_misses;
+    }
+}
+
+/// Linux constants the programs and tests both need.
+pub mod linux {
+    pub const AF_INET: u16 = 2;
+    pub const AF_INET6: u16 = 10;
+    pub const SOL_IP: i32 = 0;
+    pub const SOL_IPV6: i32 = 41;
+    /// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST` share the number.
+    pub const SO_ORIGINAL_DST: i32 = 80;
+    pub const ENOENT: i32 = 2;
+    pub const SOCK_STREAM: u32 = 1;
+    pub const SOCK_DGRAM: u32 = 2;
+    pub const IPPROTO_TCP: u32 = 6;
+    pub const IPPROTO_UDP: u32 = 17;
+}
+
+/// The IPv4-mapped IPv6 form of an IPv4 address given in network byte order.
+#[inline(always)]
+pub const fn v4_mapped(ip4_be: u32) -> [u32; 4] {
+    [0, 0, 0xffff_u32.to_be(), ip4_be]
+}
+
+/// Whether the words are an IPv4-mapped IPv6 address.
+#[inline(always)]
+pub const fn is_v4_mapped(addr: &[u32; 4]) -> bool {
+    addr[0] == 0 && addr[1] == 0 && addr[2] == 0xffff_u32.to_be()
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: each type is #[repr(C)], Copy, has no padding and no invalid bit patterns.
+    unsafe impl aya::Pod for PodPolicy {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for PortKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for CidrKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for OrigDst {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for TupleKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Counters {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, size_of};
+
+    #[test]
+    fn layouts_have_no_padding() {
+        assert_eq!(size_of::<PodPolicy>(), 20);
+        assert_eq!(size_of::<PortKey>(), 16);
+        assert_eq!(size_of::<CidrKey>(), 28);
+        assert_eq!(align_of::<CidrKey>(), 4);
+        assert_eq!(size_of::<OrigDst>(), 24);
+        assert_eq!(size_of::<TupleKey>(), 48);
+        assert_eq!(size_of::<Counters>(), 56);
+    }
+
+    #[test]
+    fn v4_mapped_round_trip() {
+        let ip = u32::from_ne_bytes([10, 1, 2, 3]);
+        let mapped = v4_mapped(ip);
+        assert!(is_v4_mapped(&mapped));
+        assert_eq!(mapped[3], ip);
+        assert!(!is_v4_mapped(&[0, 0, 0, 1u32.to_be()]));
+    }
+}

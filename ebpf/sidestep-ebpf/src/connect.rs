@@ -1,0 +1,120 @@
+//! cgroup/connect4 and cgroup/connect6: outbound capture.
+//!
+//! A captured connect is rewritten to the proxy's port on loopback, and the original destination
+//! is kept in the socket's local storage for sockops, getpeername and SO_ORIGINAL_DST.
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_current_uid_gid, generated::bpf_get_netns_cookie},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use sidestep_abi::{OrigDst, linux, socket_side, v4_mapped};
+
+use crate::{
+    context::{load, load_ip6, store, store_ip6},
+    maps::SIDESTEP_SK_ORIG,
+    policy::{self, Connect, LOOPBACK4_BE, LOOPBACK6, Verdict},
+};
+
+/// A sock_addr program must allow the call; sidestep never refuses a connect.
+const ALLOW: i32 = 1;
+
+#[cgroup_sock_addr(connect4)]
+pub fn sidestep_connect4(ctx: SockAddrContext) -> i32 {
+    // SAFETY: the kernel hands us a valid bpf_sock_addr for the duration of the call.
+    unsafe { connect(&ctx, false) };
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn sidestep_connect6(ctx: SockAddrContext) -> i32 {
+    // SAFETY: as above.
+    unsafe { connect(&ctx, true) };
+    ALLOW
+}
+
+/// # Safety
+/// `ctx` must be the live context of a connect4 or connect6 program.
+#[inline(always)]
+unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
+    // SAFETY: valid context for a sock_addr program.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some(pod) = policy::pod_policy(netns_cookie) else {
+        return;
+    };
+    let sa = ctx.sock_addr;
+    // SAFETY: every field below is a 4-byte context field of bpf_sock_addr, read one at a time.
+    let (dst, dst_port_be, protocol, sk) = unsafe {
+        let dst = if ipv6 {
+            load_ip6(&raw const (*sa).user_ip6)
+        } else {
+            v4_mapped(load(&raw const (*sa).user_ip4))
+        };
+        (
+            dst,
+            load(&raw const (*sa).user_port) as u16,
+            load(&raw const (*sa).protocol),
+            (*sa).__bindgen_anon_1.sk,
+        )
+    };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: `sk` is the kernel's full socket for this call; src fields are 4-byte reads.
+    let bound_src = unsafe {
+        if ipv6 {
+            load_ip6(&raw const (*sk).src_ip6)
+        } else {
+            v4_mapped(load(&raw const (*sk).src_ip4))
+        }
+    };
+    let uid_gid = bpf_get_current_uid_gid();
+    let decision = Connect {
+        netns_cookie,
+        policy: &pod,
+        uid: uid_gid as u32,
+        gid: (uid_gid >> 32) as u32,
+        dst,
+        dst_port: u16::from_be(dst_port_be),
+        bound_src,
+        protocol,
+    };
+    let Verdict::Redirect { port, kind } = policy::outbound_verdict(&decision) else {
+        policy::count(netns_cookie, |c| c.passed_outbound += 1);
+        return;
+    };
+    let v4 = sidestep_abi::is_v4_mapped(&dst);
+    let mut orig = OrigDst {
+        addr: dst,
+        port_be: dst_port_be,
+        kind,
+        family: if v4 { linux::AF_INET } else { linux::AF_INET6 },
+        side: socket_side::CLIENT,
+    };
+    // SAFETY: a connect program's context carries a full socket, as sk_storage requires.
+    let stored = unsafe { SIDESTEP_SK_ORIG.get_or_insert_ptr_mut(ctx, Some(&mut orig)) };
+    if stored.is_null() {
+        // Without the original destination the proxy could not forward, so leave it alone.
+        policy::count(netns_cookie, |c| c.passed_outbound += 1);
+        return;
+    }
+    // SAFETY: non-null storage owned by this socket; a reused socket (UDP) gets the new value.
+    unsafe { *stored = orig };
+    // SAFETY: writable fields of a connect program's context, written one word at a time.
+    unsafe {
+        if !ipv6 {
+            store(&raw mut (*sa).user_ip4, LOOPBACK4_BE);
+        } else if v4 {
+            store_ip6(&raw mut (*sa).user_ip6, v4_mapped(LOOPBACK4_BE));
+        } else {
+            store_ip6(&raw mut (*sa).user_ip6, LOOPBACK6);
+        }
+        store(&raw mut (*sa).user_port, port.to_be() as u32);
+    }
+    if kind == sidestep_abi::redirect_kind::DNS {
+        policy::count(netns_cookie, |c| c.dns_redirected += 1);
+    } else {
+        policy::count(netns_cookie, |c| c.redirected_outbound += 1);
+    }
+}

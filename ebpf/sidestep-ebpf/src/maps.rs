@@ -1,0 +1,58 @@
+//! Every map the programs share. BTF map definitions, so `bpftool map dump` prints field names.
+
+use aya_ebpf::{
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage},
+    macros::btf_map,
+};
+use sidestep_abi::{CidrKey, Counters, OrigDst, PodPolicy, PortKey, TupleKey, capacity};
+
+/// Enrolment: a netns with no entry here is never touched.
+#[btf_map]
+pub static SIDESTEP_POD: HashMap<u64, PodPolicy, { capacity::PODS as usize }> = HashMap::new();
+
+#[btf_map]
+pub static SIDESTEP_PORTS: HashMap<PortKey, u8, { capacity::PORT_RULES as usize }> =
+    HashMap::new();
+
+#[btf_map]
+pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize }> =
+    LpmTrie::new();
+
+#[btf_map]
+pub static SIDESTEP_COUNTERS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =
+    PerCpuHashMap::new();
+
+/// The original destination of a redirected socket, on both the app's and the proxy's end.
+/// Socket-local storage: the kernel frees it with the socket, so it cannot leak.
+#[btf_map]
+pub static SIDESTEP_SK_ORIG: SkStorage<OrigDst> = SkStorage::new();
+
+/// Hand-over from the redirected connect to the proxy's accepted socket, keyed by the 4-tuple both
+/// ends share. An entry lives from the client's SYN until the proxy's socket is established or the
+/// client socket closes; LRU bounds it when neither happens.
+#[btf_map]
+pub static SIDESTEP_PENDING: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
+    LruHashMap::new();
+
+/// Looks up (and with `init`, creates) the original destination stored on any socket pointer the
+/// verifier accepts for sk_storage: the `sk` of a sock_addr, sock_ops or sockopt context.
+///
+/// # Safety
+/// `sk` must be a socket pointer from the current program's context, already checked non-null.
+#[inline(always)]
+pub unsafe fn socket_orig_dst(
+    sk: *mut core::ffi::c_void,
+    init: Option<&mut OrigDst>,
+) -> *mut OrigDst {
+    // The map's address is what the loader relocates to the map; aya keeps `as_ptr` crate-private.
+    let map = core::ptr::from_ref(&SIDESTEP_SK_ORIG).cast_mut().cast();
+    let (value, flags) = match init {
+        Some(v) => (
+            core::ptr::from_mut(v).cast(),
+            aya_ebpf::bindings::BPF_SK_STORAGE_GET_F_CREATE as u64,
+        ),
+        None => (core::ptr::null_mut(), 0),
+    };
+    // SAFETY: `map` is an sk_storage map and `sk` a socket, as the caller guarantees.
+    unsafe { aya_ebpf::helpers::generated::bpf_sk_storage_get(map, sk, value, flags) }.cast()
+}

@@ -1,0 +1,192 @@
+//! The capture decision, in istio-iptables' rule order, and the lookups it needs.
+
+use aya_ebpf::btf_maps::lpm_trie::Key;
+use sidestep_abi::{
+    CIDR_KEY_FIXED_BITS, CidrKey, Counters, PodPolicy, PortKey, cidr_list, defaults, flags,
+    is_v4_mapped, linux, port_list, redirect_kind,
+};
+
+use crate::maps::{SIDESTEP_CIDRS, SIDESTEP_COUNTERS, SIDESTEP_POD, SIDESTEP_PORTS};
+
+/// `127.0.0.1` in network byte order.
+pub const LOOPBACK4_BE: u32 = 0x7f00_0001_u32.to_be();
+/// `127.0.0.6`, Istio's inbound passthrough source, in network byte order.
+pub const PASSTHROUGH4_BE: u32 = 0x7f00_0006_u32.to_be();
+pub const LOOPBACK6: [u32; 4] = [0, 0, 0, 1_u32.to_be()];
+pub const PASSTHROUGH6: [u32; 4] = [0, 0, 0, 6_u32.to_be()];
+
+#[inline(always)]
+pub fn pod_policy(netns_cookie: u64) -> Option<PodPolicy> {
+    // SAFETY: the value is copied out at once, before any map update could reuse the slot.
+    unsafe { SIDESTEP_POD.get(netns_cookie) }.copied()
+}
+
+#[inline(always)]
+pub fn port_listed(netns_cookie: u64, list: u32, port: u16) -> bool {
+    let key = PortKey {
+        netns_cookie,
+        list,
+        port: port as u32,
+    };
+    SIDESTEP_PORTS.get_ptr(key).is_some()
+}
+
+#[inline(always)]
+pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
+    // Full-length key: the trie returns the longest stored prefix that covers the address.
+    let mut bytes = [0u8; 16];
+    let mut i = 0;
+    while i < 4 {
+        let word = addr[i].to_ne_bytes();
+        bytes[i * 4] = word[0];
+        bytes[i * 4 + 1] = word[1];
+        bytes[i * 4 + 2] = word[2];
+        bytes[i * 4 + 3] = word[3];
+        i += 1;
+    }
+    let key = Key::new(CIDR_KEY_FIXED_BITS + 128, CidrKey::new(netns_cookie, list, bytes));
+    SIDESTEP_CIDRS.get(&key).is_some()
+}
+
+/// Adds to this pod's counters on the current CPU. Pods are enrolled with a zeroed entry.
+#[inline(always)]
+pub fn count(netns_cookie: u64, bump: impl FnOnce(&mut Counters)) {
+    if let Some(counters) = SIDESTEP_COUNTERS.get_ptr_mut(netns_cookie) {
+        // SAFETY: per-CPU slot, so no other program writes it concurrently.
+        bump(unsafe { &mut *counters });
+    }
+}
+
+#[inline(always)]
+pub fn is_loopback(addr: &[u32; 4]) -> bool {
+    if is_v4_mapped(addr) {
+        // 127.0.0.0/8
+        addr[3].to_ne_bytes()[0] == 127
+    } else {
+        addr[0] == LOOPBACK6[0]
+            && addr[1] == LOOPBACK6[1]
+            && addr[2] == LOOPBACK6[2]
+            && addr[3] == LOOPBACK6[3]
+    }
+}
+
+#[inline(always)]
+fn is_host_loopback(addr: &[u32; 4]) -> bool {
+    if is_v4_mapped(addr) {
+        addr[3] == LOOPBACK4_BE
+    } else {
+        is_loopback(addr)
+    }
+}
+
+#[inline(always)]
+pub fn is_passthrough_source(addr: &[u32; 4]) -> bool {
+    if is_v4_mapped(addr) {
+        addr[3] == PASSTHROUGH4_BE
+    } else {
+        addr[0] == PASSTHROUGH6[0]
+            && addr[1] == PASSTHROUGH6[1]
+            && addr[2] == PASSTHROUGH6[2]
+            && addr[3] == PASSTHROUGH6[3]
+    }
+}
+
+/// Where a connect goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    /// Rewrite to loopback at this port; `kind` is a `redirect_kind` value.
+    Redirect { port: u16, kind: u16 },
+}
+
+/// A connect from inside an enrolled netns, as the decision sees it.
+pub struct Connect<'a> {
+    pub netns_cookie: u64,
+    pub policy: &'a PodPolicy,
+    pub uid: u32,
+    pub gid: u32,
+    /// Destination, IPv4 in mapped form.
+    pub dst: [u32; 4],
+    pub dst_port: u16,
+    /// Address the socket is already bound to (all zero when unbound).
+    pub bound_src: [u32; 4],
+    pub protocol: u32,
+}
+
+/// istio-iptables' nat OUTPUT chain (ISTIO_OUTPUT), first match wins; see ISTIO-CAPTURE.md.
+#[inline(always)]
+pub fn outbound_verdict(c: &Connect) -> Verdict {
+    let p = c.policy;
+    let proxy_uid = c.uid == p.proxy_uid;
+    let proxy_gid = c.gid == p.proxy_gid;
+
+    if p.flags & flags::DNS_CAPTURE != 0
+        && c.dst_port == 53
+        && !proxy_uid
+        && !proxy_gid
+        && !is_host_loopback(&c.dst)
+    {
+        return Verdict::Redirect {
+            port: p.dns_port,
+            kind: redirect_kind::DNS,
+        };
+    }
+    if c.protocol != linux::IPPROTO_TCP {
+        return Verdict::Pass;
+    }
+    if !is_v4_mapped(&c.dst) && p.flags & flags::IPV6 == 0 {
+        return Verdict::Pass;
+    }
+    // 1. excluded outbound ports, for everyone.
+    if p.flags & flags::HAS_OUT_PORT_EXCLUDES != 0
+        && port_listed(c.netns_cookie, port_list::OUTBOUND_EXCLUDE, c.dst_port)
+    {
+        return Verdict::Pass;
+    }
+    let local_dst = is_loopback(&c.dst)
+        || cidr_listed(c.netns_cookie, cidr_list::POD_ADDRESS, &c.dst);
+    if local_dst {
+        // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app.
+        if is_passthrough_source(&c.bound_src) {
+            return Verdict::Pass;
+        }
+        // 3. the proxy calling its own pod (not 127.0.0.1) goes through inbound.
+        if proxy_uid
+            && p.flags & flags::HAIRPIN != 0
+            && !is_host_loopback(&c.dst)
+            && c.dst_port != defaults::TUNNEL_PORT
+        {
+            return Verdict::Redirect {
+                port: p.inbound_port,
+                kind: redirect_kind::INBOUND,
+            };
+        }
+        // 4, 5 and 7: anything else that stays on lo is left alone.
+        return Verdict::Pass;
+    }
+    // 5 and 6: the proxy's own upstream connections.
+    if proxy_uid || proxy_gid || p.flags & flags::OUTBOUND == 0 {
+        return Verdict::Pass;
+    }
+    // 8. excludeOutboundIPRanges.
+    if p.flags & flags::HAS_OUT_CIDR_EXCLUDES != 0
+        && cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_EXCLUDE, &c.dst)
+    {
+        return Verdict::Pass;
+    }
+    let redirect = Verdict::Redirect {
+        port: p.outbound_port,
+        kind: redirect_kind::OUTBOUND,
+    };
+    // 9. includeOutboundPorts.
+    if p.flags & flags::HAS_OUT_PORT_INCLUDES != 0
+        && port_listed(c.netns_cookie, port_list::OUTBOUND_INCLUDE, c.dst_port)
+    {
+        return redirect;
+    }
+    // 10. includeOutboundIPRanges.
+    if cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_INCLUDE, &c.dst) {
+        return redirect;
+    }
+    Verdict::Pass
+}

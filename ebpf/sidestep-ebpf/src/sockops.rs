@@ -1,0 +1,180 @@
+//! sock_ops: hands the original destination from the app's redirected socket to the proxy's
+//! accepted socket, and cleans up when a redirected socket closes.
+//!
+//! - TCP_CONNECT_CB (the client's SYN is about to leave; its source port is known): publish the
+//!   4-tuple in `SIDESTEP_PENDING` and ask for state callbacks.
+//! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim a pending entry into the socket's storage.
+//! - STATE_CB to TCP_CLOSE on a redirected client: drop an entry nobody claimed.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, bpf_sock_ops,
+    },
+    helpers::generated::bpf_get_netns_cookie,
+    macros::sock_ops,
+    programs::SockOpsContext,
+};
+use sidestep_abi::{OrigDst, TupleKey, linux, socket_side, v4_mapped};
+
+use crate::{
+    context::{load, load_ip6},
+    maps::{SIDESTEP_PENDING, socket_orig_dst},
+};
+
+#[sock_ops]
+pub fn sidestep_sockops(ctx: SockOpsContext) -> u32 {
+    // SAFETY: the kernel hands us a valid bpf_sock_ops for the duration of the call.
+    unsafe { handle(&ctx) };
+    // sock_ops programs return 1 for "handled"; the value does not affect the socket.
+    1
+}
+
+/// # Safety
+/// `ctx` must be the live context of a sock_ops program.
+#[inline(always)]
+unsafe fn handle(ctx: &SockOpsContext) {
+    let ops = ctx.ops;
+    // SAFETY: 4-byte context field.
+    let op = unsafe { load(&raw const (*ops).op) };
+    match op {
+        BPF_SOCK_OPS_TCP_CONNECT_CB => {
+            // SAFETY: forwarded from our caller.
+            unsafe { on_connect(ctx) }
+        }
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {
+            // SAFETY: forwarded from our caller.
+            unsafe { on_accepted(ctx) }
+        }
+        BPF_SOCK_OPS_STATE_CB => {
+            // SAFETY: args[1] is the new state for STATE_CB.
+            let new_state = unsafe { load(&raw const (*ops).__bindgen_anon_1.args[1]) };
+            if new_state == BPF_TCP_CLOSE {
+                // SAFETY: forwarded from our caller.
+                if let Some(key) = unsafe { client_tuple(ctx) } {
+                    let _ = SIDESTEP_PENDING.remove(key);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn full_socket(ops: *mut bpf_sock_ops) -> *mut core::ffi::c_void {
+    // SAFETY: `is_fullsock` and `sk` are readable context fields; `sk` is only valid on full sockets.
+    unsafe {
+        if load(&raw const (*ops).is_fullsock) == 0 {
+            return core::ptr::null_mut();
+        }
+        (*ops).__bindgen_anon_2.sk.cast()
+    }
+}
+
+/// The connection seen from this socket: (local addr, local port, remote addr, remote port).
+///
+/// # Safety
+/// `ops` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn endpoints(ops: *mut bpf_sock_ops) -> ([u32; 4], u16, [u32; 4], u16) {
+    // SAFETY: 4-byte context fields, read one at a time.
+    unsafe {
+        let (local, remote) = if load(&raw const (*ops).family) == linux::AF_INET as u32 {
+            (
+                v4_mapped(load(&raw const (*ops).local_ip4)),
+                v4_mapped(load(&raw const (*ops).remote_ip4)),
+            )
+        } else {
+            (
+                load_ip6(&raw const (*ops).local_ip6),
+                load_ip6(&raw const (*ops).remote_ip6),
+            )
+        };
+        let local_port = load(&raw const (*ops).local_port) as u16;
+        // remote_port holds the big-endian port in its upper 16 bits on little-endian hosts.
+        let remote_port = u16::from_be((load(&raw const (*ops).remote_port) >> 16) as u16);
+        (local, local_port, remote, remote_port)
+    }
+}
+
+/// The pending-map key for a client (connecting) socket.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn client_tuple(ctx: &SockOpsContext) -> Option<TupleKey> {
+    // SAFETY: forwarded from our caller.
+    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
+    Some(TupleKey {
+        // SAFETY: valid sock_ops context.
+        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        client_addr: local,
+        server_addr: remote,
+        client_port: local_port,
+        server_port: remote_port,
+        _reserved: 0,
+    })
+}
+
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_connect(ctx: &SockOpsContext) {
+    // SAFETY: forwarded from our caller.
+    let sk = unsafe { full_socket(ctx.ops) };
+    if sk.is_null() {
+        return;
+    }
+    // Only sockets that connect4/6 redirected carry storage; everything else stops here.
+    // SAFETY: `sk` is this context's full socket.
+    let orig = unsafe { socket_orig_dst(sk, None) };
+    if orig.is_null() {
+        return;
+    }
+    // SAFETY: non-null storage of this socket.
+    let orig: OrigDst = unsafe { *orig };
+    // SAFETY: forwarded from our caller.
+    let Some(key) = (unsafe { client_tuple(ctx) }) else {
+        return;
+    };
+    if SIDESTEP_PENDING.insert(key, orig, 0).is_ok() {
+        let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
+    }
+}
+
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_accepted(ctx: &SockOpsContext) {
+    // SAFETY: forwarded from our caller.
+    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
+    let key = TupleKey {
+        // SAFETY: valid sock_ops context.
+        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        client_addr: remote,
+        server_addr: local,
+        client_port: remote_port,
+        server_port: local_port,
+        _reserved: 0,
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(mut orig) = (unsafe { SIDESTEP_PENDING.get(key) }).copied() else {
+        return;
+    };
+    orig.side = socket_side::ACCEPTED;
+    // SAFETY: forwarded from our caller.
+    let sk = unsafe { full_socket(ctx.ops) };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: `sk` is this context's full socket.
+    let stored = unsafe { socket_orig_dst(sk, Some(&mut orig)) };
+    if !stored.is_null() {
+        // SAFETY: non-null storage of this socket; overwrite a value left from an earlier claim.
+        unsafe { *stored = orig };
+        let _ = SIDESTEP_PENDING.remove(key);
+    }
+}
