@@ -1,1 +1,238 @@
-fn main(){}
+//! The `sidestep` command line.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use sidestep::{
+    enroll, loader,
+    pins::DEFAULT_PIN_ROOT,
+    policy::{self, InterceptionMode, Policy},
+    status,
+};
+
+#[derive(Parser)]
+#[command(name = "sidestep", version, about = "eBPF traffic redirection to a mesh sidecar")]
+struct Cli {
+    /// Log filter, e.g. info or sidestep=debug.
+    #[arg(long, global = true, env = "SIDESTEP_LOG", default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load, attach and pin the programs, then exit; capture continues without this process.
+    Load {
+        /// cgroup2 directory to attach at (the cgroup2 root on a node).
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        /// Capacity of the pod map (only when the maps are first created).
+        #[arg(long)]
+        pod_capacity: Option<u32>,
+    },
+    /// Detach every program and remove every pin.
+    Unload {
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+    },
+    /// Enrol a pod network namespace.
+    Enroll {
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        /// The pod's netns, e.g. /run/netns/NAME or /proc/PID/ns/net.
+        #[arg(long)]
+        netns: PathBuf,
+        #[command(flatten)]
+        policy: PolicyArgs,
+    },
+    /// Remove a pod network namespace from the data path.
+    Unenroll {
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        #[arg(long)]
+        netns: PathBuf,
+    },
+    /// Show programs, attachments, enrolled pods and counters.
+    Status {
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Policy flags; each overrides the same field of `--policy FILE`, and both default to Istio's.
+#[derive(Args, Default)]
+struct PolicyArgs {
+    /// JSON policy file (camelCase fields, Istio-style lists).
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    #[arg(long)]
+    proxy_uid: Option<u32>,
+    #[arg(long)]
+    proxy_gid: Option<u32>,
+    #[arg(long)]
+    outbound_port: Option<u16>,
+    #[arg(long)]
+    inbound_port: Option<u16>,
+    #[arg(long)]
+    dns_port: Option<u16>,
+    /// REDIRECT or TPROXY.
+    #[arg(long)]
+    interception_mode: Option<InterceptionMode>,
+    /// Comma-separated CIDRs, or `*`.
+    #[arg(long)]
+    include_outbound_ip_ranges: Option<String>,
+    #[arg(long)]
+    exclude_outbound_ip_ranges: Option<String>,
+    #[arg(long)]
+    include_outbound_ports: Option<String>,
+    #[arg(long)]
+    exclude_outbound_ports: Option<String>,
+    /// Comma-separated ports, or `*`.
+    #[arg(long)]
+    include_inbound_ports: Option<String>,
+    #[arg(long)]
+    exclude_inbound_ports: Option<String>,
+    #[arg(long)]
+    dns_capture: bool,
+    /// Leave IPv6 outbound uncaptured (istio-iptables' behaviour for pods without IPv6).
+    #[arg(long)]
+    no_ipv6: bool,
+    /// The pod's own address (repeatable), for hairpin detection.
+    #[arg(long = "pod-ip")]
+    pod_ips: Vec<std::net::IpAddr>,
+}
+
+impl PolicyArgs {
+    fn resolve(self) -> anyhow::Result<Policy> {
+        let mut p = match &self.policy {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading policy file {}", path.display()))?;
+                serde_json::from_str(&text)
+                    .with_context(|| format!("parsing policy file {}", path.display()))?
+            }
+            None => Policy::default(),
+        };
+        p.proxy_uid = self.proxy_uid.unwrap_or(p.proxy_uid);
+        p.proxy_gid = self.proxy_gid.unwrap_or(p.proxy_gid);
+        p.outbound_port = self.outbound_port.unwrap_or(p.outbound_port);
+        p.inbound_port = self.inbound_port.unwrap_or(p.inbound_port);
+        p.dns_port = self.dns_port.unwrap_or(p.dns_port);
+        p.interception_mode = self.interception_mode.unwrap_or(p.interception_mode);
+        if let Some(v) = &self.include_outbound_ip_ranges {
+            p.include_outbound_ip_ranges =
+                policy::parse_cidr_set("--include-outbound-ip-ranges", v)?;
+        }
+        if let Some(v) = &self.exclude_outbound_ip_ranges {
+            p.exclude_outbound_ip_ranges =
+                policy::parse_cidr_set("--exclude-outbound-ip-ranges", v)?;
+        }
+        if let Some(v) = &self.include_outbound_ports {
+            p.include_outbound_ports = policy::parse_port_set("--include-outbound-ports", v)?;
+        }
+        if let Some(v) = &self.exclude_outbound_ports {
+            p.exclude_outbound_ports = policy::parse_port_set("--exclude-outbound-ports", v)?;
+        }
+        if let Some(v) = &self.include_inbound_ports {
+            p.include_inbound_ports = policy::parse_port_set("--include-inbound-ports", v)?;
+        }
+        if let Some(v) = &self.exclude_inbound_ports {
+            p.exclude_inbound_ports = policy::parse_port_set("--exclude-inbound-ports", v)?;
+        }
+        p.dns_capture |= self.dns_capture;
+        if self.no_ipv6 {
+            p.capture_ipv6 = false;
+        }
+        p.pod_ips.extend(self.pod_ips);
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Load {
+            cgroup,
+            pin_root,
+            pod_capacity,
+        } => {
+            let cgroup = match cgroup {
+                Some(c) => c,
+                None => sidestep::mounts::cgroup2_root()?,
+            };
+            let outcome = loader::load(&loader::LoadOptions {
+                cgroup: cgroup.clone(),
+                pin_root: pin_root.clone(),
+                pod_capacity,
+                object: None,
+            })?;
+            println!(
+                "sidestep {}: attached at {}, pinned under {}",
+                match outcome {
+                    loader::LoadOutcome::Fresh => "loaded",
+                    loader::LoadOutcome::Upgraded => "upgraded",
+                },
+                cgroup.display(),
+                pin_root.display()
+            );
+        }
+        Command::Unload { pin_root } => {
+            loader::unload(&pin_root)?;
+            println!("sidestep unloaded from {}", pin_root.display());
+        }
+        Command::Enroll {
+            pin_root,
+            netns,
+            policy,
+        } => {
+            let policy = policy.resolve()?;
+            let enrolled = enroll::enroll(&pin_root, &netns, &policy)?;
+            println!(
+                "enrolled {} (netns cookie {})",
+                netns.display(),
+                enrolled.netns_cookie
+            );
+        }
+        Command::Unenroll { pin_root, netns } => {
+            let was = enroll::unenroll(&pin_root, &netns)?;
+            println!(
+                "{} {}",
+                if was { "unenrolled" } else { "was not enrolled:" },
+                netns.display()
+            );
+        }
+        Command::Status { pin_root, json } => {
+            let s = status::collect(&pin_root);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print!("{}", s.render());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log_level)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sidestep: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

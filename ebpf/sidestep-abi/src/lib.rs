@@ -11,9 +11,9 @@ pub mod map_names {
     pub const POD_POLICY: &str = "SIDESTEP_POD";
     pub const PORT_RULES: &str = "SIDESTEP_PORTS";
     pub const CIDR_RULES: &str = "SIDESTEP_CIDRS";
-    pub const COUNTERS: &str = "SIDESTEP_COUNTERS";
-    pub const SOCKET_ORIG_DST: &str = "SIDESTEP_SK_ORIG";
-    pub const PENDING_ORIG_DST: &str = "SIDESTEP_PENDING";
+    pub const COUNTERS: &str = "SIDESTEP_STATS";
+    pub const SOCKET_ORIG_DST: &str = "SIDESTEP_ORIG";
+    pub const PENDING_ORIG_DST: &str = "SIDESTEP_PEND";
     pub const ALL: [&str; 6] = [
         POD_POLICY,
         PORT_RULES,
@@ -174,7 +174,7 @@ pub mod socket_side {
     pub const ACCEPTED: u16 = 1;
 }
 
-/// Key of `SIDESTEP_PENDING`: a TCP connection as both of its ends see it, client first.
+/// Key of `SIDESTEP_PEND`: a TCP connection as both of its ends see it, client first.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct TupleKey {

@@ -13,7 +13,7 @@ use sidestep_abi::{OrigDst, linux, socket_side, v4_mapped};
 
 use crate::{
     context::{load, load_ip6, store, store_ip6},
-    maps::SIDESTEP_SK_ORIG,
+    maps::SIDESTEP_ORIG,
     policy::{self, Connect, LOOPBACK4_BE, LOOPBACK6, Verdict},
 };
 
@@ -93,7 +93,7 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
         side: socket_side::CLIENT,
     };
     // SAFETY: a connect program's context carries a full socket, as sk_storage requires.
-    let stored = unsafe { SIDESTEP_SK_ORIG.get_or_insert_ptr_mut(ctx, Some(&mut orig)) };
+    let stored = unsafe { SIDESTEP_ORIG.get_or_insert_ptr_mut(ctx, Some(&mut orig)) };
     if stored.is_null() {
         // Without the original destination the proxy could not forward, so leave it alone.
         policy::count(netns_cookie, |c| c.passed_outbound += 1);

@@ -19,19 +19,19 @@ pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize 
     LpmTrie::new();
 
 #[btf_map]
-pub static SIDESTEP_COUNTERS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =
+pub static SIDESTEP_STATS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =
     PerCpuHashMap::new();
 
 /// The original destination of a redirected socket, on both the app's and the proxy's end.
 /// Socket-local storage: the kernel frees it with the socket, so it cannot leak.
 #[btf_map]
-pub static SIDESTEP_SK_ORIG: SkStorage<OrigDst> = SkStorage::new();
+pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 
 /// Hand-over from the redirected connect to the proxy's accepted socket, keyed by the 4-tuple both
 /// ends share. An entry lives from the client's SYN until the proxy's socket is established or the
 /// client socket closes; LRU bounds it when neither happens.
 #[btf_map]
-pub static SIDESTEP_PENDING: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
+pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
     LruHashMap::new();
 
 /// Looks up (and with `init`, creates) the original destination stored on any socket pointer the
@@ -45,7 +45,7 @@ pub unsafe fn socket_orig_dst(
     init: Option<&mut OrigDst>,
 ) -> *mut OrigDst {
     // The map's address is what the loader relocates to the map; aya keeps `as_ptr` crate-private.
-    let map = core::ptr::from_ref(&SIDESTEP_SK_ORIG).cast_mut().cast();
+    let map = core::ptr::from_ref(&SIDESTEP_ORIG).cast_mut().cast();
     let (value, flags) = match init {
         Some(v) => (
             core::ptr::from_mut(v).cast(),

@@ -6,7 +6,7 @@ use sidestep_abi::{
     is_v4_mapped, linux, port_list, redirect_kind,
 };
 
-use crate::maps::{SIDESTEP_CIDRS, SIDESTEP_COUNTERS, SIDESTEP_POD, SIDESTEP_PORTS};
+use crate::maps::{SIDESTEP_CIDRS, SIDESTEP_STATS, SIDESTEP_POD, SIDESTEP_PORTS};
 
 /// `127.0.0.1` in network byte order.
 pub const LOOPBACK4_BE: u32 = 0x7f00_0001_u32.to_be();
@@ -51,7 +51,7 @@ pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
 /// Adds to this pod's counters on the current CPU. Pods are enrolled with a zeroed entry.
 #[inline(always)]
 pub fn count(netns_cookie: u64, bump: impl FnOnce(&mut Counters)) {
-    if let Some(counters) = SIDESTEP_COUNTERS.get_ptr_mut(netns_cookie) {
+    if let Some(counters) = SIDESTEP_STATS.get_ptr_mut(netns_cookie) {
         // SAFETY: per-CPU slot, so no other program writes it concurrently.
         bump(unsafe { &mut *counters });
     }

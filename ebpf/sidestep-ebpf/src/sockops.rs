@@ -2,7 +2,7 @@
 //! accepted socket, and cleans up when a redirected socket closes.
 //!
 //! - TCP_CONNECT_CB (the client's SYN is about to leave; its source port is known): publish the
-//!   4-tuple in `SIDESTEP_PENDING` and ask for state callbacks.
+//!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
 //! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim a pending entry into the socket's storage.
 //! - STATE_CB to TCP_CLOSE on a redirected client: drop an entry nobody claimed.
 
@@ -20,7 +20,7 @@ use sidestep_abi::{OrigDst, TupleKey, linux, socket_side, v4_mapped};
 
 use crate::{
     context::{load, load_ip6},
-    maps::{SIDESTEP_PENDING, socket_orig_dst},
+    maps::{SIDESTEP_PEND, socket_orig_dst},
 };
 
 #[sock_ops]
@@ -53,7 +53,7 @@ unsafe fn handle(ctx: &SockOpsContext) {
             if new_state == BPF_TCP_CLOSE {
                 // SAFETY: forwarded from our caller.
                 if let Some(key) = unsafe { client_tuple(ctx) } {
-                    let _ = SIDESTEP_PENDING.remove(key);
+                    let _ = SIDESTEP_PEND.remove(key);
                 }
             }
         }
@@ -80,18 +80,18 @@ unsafe fn full_socket(ops: *mut bpf_sock_ops) -> *mut core::ffi::c_void {
 /// `ops` must be a live sock_ops context.
 #[inline(always)]
 unsafe fn endpoints(ops: *mut bpf_sock_ops) -> ([u32; 4], u16, [u32; 4], u16) {
-    // SAFETY: 4-byte context fields, read one at a time.
+    // SAFETY: 4-byte context fields, read one at a time. Every field is read on every path so that
+    // each load keeps a constant offset; the verifier rejects a context pointer LLVM has offset.
     unsafe {
-        let (local, remote) = if load(&raw const (*ops).family) == linux::AF_INET as u32 {
-            (
-                v4_mapped(load(&raw const (*ops).local_ip4)),
-                v4_mapped(load(&raw const (*ops).remote_ip4)),
-            )
+        let family = load(&raw const (*ops).family);
+        let local4 = load(&raw const (*ops).local_ip4);
+        let remote4 = load(&raw const (*ops).remote_ip4);
+        let local6 = load_ip6(&raw const (*ops).local_ip6);
+        let remote6 = load_ip6(&raw const (*ops).remote_ip6);
+        let (local, remote) = if family == linux::AF_INET as u32 {
+            (v4_mapped(local4), v4_mapped(remote4))
         } else {
-            (
-                load_ip6(&raw const (*ops).local_ip6),
-                load_ip6(&raw const (*ops).remote_ip6),
-            )
+            (local6, remote6)
         };
         let local_port = load(&raw const (*ops).local_port) as u16;
         // remote_port holds the big-endian port in its upper 16 bits on little-endian hosts.
@@ -140,7 +140,7 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     let Some(key) = (unsafe { client_tuple(ctx) }) else {
         return;
     };
-    if SIDESTEP_PENDING.insert(key, orig, 0).is_ok() {
+    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() {
         let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
     }
 }
@@ -161,7 +161,7 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
         _reserved: 0,
     };
     // SAFETY: the value is copied out at once.
-    let Some(mut orig) = (unsafe { SIDESTEP_PENDING.get(key) }).copied() else {
+    let Some(mut orig) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
         return;
     };
     orig.side = socket_side::ACCEPTED;
@@ -175,6 +175,6 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
     if !stored.is_null() {
         // SAFETY: non-null storage of this socket; overwrite a value left from an earlier claim.
         unsafe { *stored = orig };
-        let _ = SIDESTEP_PENDING.remove(key);
+        let _ = SIDESTEP_PEND.remove(key);
     }
 }

@@ -1,0 +1,147 @@
+//! Enrolment: the one code path by which a pod netns enters and leaves the data path. The CLI's
+//! `enroll`/`unenroll`, the CNI plugin and the agent's repair all call these functions.
+//!
+//! Ordering makes every step safe to interrupt: rules are written before the pod entry that makes
+//! the programs look at them, and the pod entry is removed before its rules.
+
+use std::{collections::HashSet, path::Path};
+
+use aya::maps::lpm_trie::Key;
+use sidestep_abi::{CidrKey, PortKey, map_names};
+
+use crate::{
+    error::{EnrollError, MapsError},
+    maps::{PolicyMaps, classify},
+    netns::Netns,
+    policy::{MapEntries, Policy},
+};
+
+/// What an enrolment wrote, for the caller's state record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enrolled {
+    pub netns_cookie: u64,
+    pub entries: MapEntries,
+}
+
+/// Enrols the netns at `netns_path` with `policy`. Re-enrolling replaces the old policy in place.
+pub fn enroll(pin_root: &Path, netns_path: &Path, policy: &Policy) -> Result<Enrolled, EnrollError> {
+    policy.validate()?;
+    let mut maps = PolicyMaps::open(pin_root)?;
+    let netns = Netns::open(netns_path)?;
+    let netns_cookie = netns.cookie()?;
+    let entries = policy.to_map_entries(netns_cookie);
+    write_entries(&mut maps, netns_cookie, &entries)?;
+    Ok(Enrolled {
+        netns_cookie,
+        entries,
+    })
+}
+
+/// Writes a pod's entries; on failure removes whatever this call added, and leaves an earlier
+/// enrolment of the same cookie as it was.
+pub fn write_entries(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    entries: &MapEntries,
+) -> Result<(), MapsError> {
+    let previous = maps.pods.get(&netns_cookie, 0).ok();
+    if previous.is_none() && maps.pod_capacity > 0 {
+        let used = maps.pods.keys().filter(Result::is_ok).count() as u32;
+        if used >= maps.pod_capacity {
+            return Err(MapsError::Full {
+                map: map_names::POD_POLICY,
+                capacity: maps.pod_capacity,
+            });
+        }
+    }
+    let old_ports: HashSet<PortKey> = port_keys(maps, netns_cookie).into_iter().collect();
+    let old_cidrs: Vec<(u32, CidrKey)> = cidr_keys(maps, netns_cookie);
+    let mut added_ports = Vec::new();
+    let mut added_cidrs = Vec::new();
+    let result = (|| {
+        for key in &entries.ports {
+            if !old_ports.contains(key) {
+                maps.ports
+                    .insert(key, 1, 0)
+                    .map_err(|e| classify(map_names::PORT_RULES, 0, e))?;
+                added_ports.push(*key);
+            }
+        }
+        for (bits, data) in &entries.cidrs {
+            if !old_cidrs.contains(&(*bits, *data)) {
+                maps.cidrs
+                    .insert(&Key::new(*bits, *data), 1, 0)
+                    .map_err(|e| classify(map_names::CIDR_RULES, 0, e))?;
+                added_cidrs.push((*bits, *data));
+            }
+        }
+        if previous.is_none() {
+            maps.zero_counters(netns_cookie)?;
+        }
+        maps.pods
+            .insert(netns_cookie, entries.pod, 0)
+            .map_err(|e| classify(map_names::POD_POLICY, maps.pod_capacity, e))
+    })();
+    if let Err(e) = result {
+        for key in &added_ports {
+            let _ = maps.ports.remove(key);
+        }
+        for (bits, data) in &added_cidrs {
+            let _ = maps.cidrs.remove(&Key::new(*bits, *data));
+        }
+        if previous.is_none() {
+            let _ = maps.counters.remove(&netns_cookie);
+        }
+        return Err(e);
+    }
+    // The new policy is live; rules it no longer names can go.
+    for key in old_ports.iter().filter(|k| !entries.ports.contains(k)) {
+        let _ = maps.ports.remove(key);
+    }
+    for (bits, data) in old_cidrs.iter().filter(|c| !entries.cidrs.contains(c)) {
+        let _ = maps.cidrs.remove(&Key::new(*bits, *data));
+    }
+    Ok(())
+}
+
+fn port_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<PortKey> {
+    maps.ports
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.netns_cookie == netns_cookie)
+        .collect()
+}
+
+fn cidr_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(u32, CidrKey)> {
+    let want = CidrKey::new(netns_cookie, 0, [0; 16]).netns_cookie;
+    maps.cidrs
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.data().netns_cookie == want)
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect()
+}
+
+/// Removes every entry of `netns_cookie`. Returns whether the pod was enrolled. Idempotent.
+pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool, MapsError> {
+    let was_enrolled = match maps.pods.remove(&netns_cookie) {
+        Ok(()) => true,
+        Err(aya::maps::MapError::KeyNotFound) => false,
+        Err(e) => return Err(classify(map_names::POD_POLICY, 0, e)),
+    };
+    for key in port_keys(maps, netns_cookie) {
+        let _ = maps.ports.remove(&key);
+    }
+    for (bits, data) in cidr_keys(maps, netns_cookie) {
+        let _ = maps.cidrs.remove(&Key::new(bits, data));
+    }
+    let _ = maps.counters.remove(&netns_cookie);
+    Ok(was_enrolled)
+}
+
+/// Unenrols the netns at `netns_path`.
+pub fn unenroll(pin_root: &Path, netns_path: &Path) -> Result<bool, EnrollError> {
+    let mut maps = PolicyMaps::open(pin_root)?;
+    let netns_cookie = Netns::open(netns_path)?.cookie()?;
+    Ok(unenroll_cookie(&mut maps, netns_cookie)?)
+}

@@ -1,0 +1,120 @@
+//! Errors per domain. Each message names the cause and, where there is one, the fix.
+
+use std::{io, path::PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("cannot read /proc/self/mountinfo: {0}")]
+    MountInfo(#[source] io::Error),
+    #[error("no cgroup2 filesystem is mounted; mount one (mount -t cgroup2 none /sys/fs/cgroup) or boot with cgroup v2")]
+    NoCgroup2,
+    #[error("{path} is not a cgroup2 directory ({reason}); pass a directory under the cgroup2 mount")]
+    NotCgroup2 { path: PathBuf, reason: String },
+    #[error("cannot mount bpffs: {0}; mount it yourself with `mount -t bpf bpffs /sys/fs/bpf`")]
+    Bpffs(String),
+    #[error("the pin root {0} is not on a bpffs mount; choose a path under /sys/fs/bpf")]
+    PinRootNotBpffs(PathBuf),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("sidestep needs root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN); run it as root")]
+    NotRoot,
+    #[error(transparent)]
+    Mount(#[from] MountError),
+    #[error("cannot open cgroup {path}: {source}")]
+    OpenCgroup { path: PathBuf, source: io::Error },
+    #[error("cannot parse the embedded BPF object: {0}")]
+    Object(#[source] aya::EbpfError),
+    #[error("the BPF object has no program {0}; rebuild with `cargo xtask build`")]
+    MissingProgram(&'static str),
+    #[error("the kernel refused program {name}: {source}. sidestep needs Linux 6.6 or later with CONFIG_CGROUP_BPF and BTF")]
+    ProgramLoad {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("cannot attach {name} to {cgroup}: {source}")]
+    Attach {
+        name: &'static str,
+        cgroup: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot pin {path}: {source}")]
+    Pin { path: PathBuf, source: io::Error },
+    #[error("cannot replace the program behind {path}: {source}")]
+    Replace { path: PathBuf, source: io::Error },
+    #[error("the pinned links under {pin_root} are attached to cgroup id {pinned}, not {requested}; unload first")]
+    OtherCgroup {
+        pin_root: PathBuf,
+        pinned: u64,
+        requested: u64,
+    },
+    #[error("cannot remove {path}: {source}")]
+    Unpin { path: PathBuf, source: io::Error },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapsError {
+    #[error("sidestep is not loaded at {0}: run `sidestep load --cgroup DIR --pin-root {0}` (or start the agent) first")]
+    NotLoaded(PathBuf),
+    #[error("cannot open pinned map {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("map {map}: {source}")]
+    Access {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot size per-CPU values: {0}")]
+    Cpus(String),
+    #[error("map {map} is full ({capacity} entries); unenrol pods or load with a larger capacity")]
+    Full { map: &'static str, capacity: u32 },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error("cannot open network namespace {path}: {source}")]
+    Open { path: PathBuf, source: io::Error },
+    #[error("{0} is not a network namespace")]
+    NotNetns(PathBuf),
+    #[error("{0} is the host network namespace; sidestep never enrols it (hostNetwork pods are not captured)")]
+    HostNetns(PathBuf),
+    #[error("cannot enter network namespace {path}: {source}")]
+    Enter { path: PathBuf, source: io::Error },
+    #[error("cannot read the cookie of network namespace {path}: {source}")]
+    Cookie { path: PathBuf, source: io::Error },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{field}: invalid port {value:?} (want 1-65535)")]
+    Port { field: String, value: String },
+    #[error("{field}: invalid CIDR {value:?} ({reason})")]
+    Cidr {
+        field: String,
+        value: String,
+        reason: String,
+    },
+    #[error("{field}: invalid value {value:?} ({reason})")]
+    Value {
+        field: String,
+        value: String,
+        reason: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnrollError {
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}

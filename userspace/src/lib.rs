@@ -1,0 +1,13 @@
+//! sidestep's userspace: loader, pin manager, policy model and enrolment, shared by the
+//! `sidestep` CLI/agent and the `sidestep-cni` plugin.
+
+pub mod enroll;
+pub mod error;
+pub mod loader;
+pub mod maps;
+pub mod mounts;
+pub mod netns;
+pub mod pins;
+pub mod policy;
+pub mod status;
+pub mod sys;

@@ -1,0 +1,286 @@
+//! Loading, attaching and pinning the programs, and taking them all away again.
+//!
+//! `load` is also the upgrade path: when links are already pinned, the maps are reused through
+//! their pins and each link is switched to the new program with BPF_LINK_UPDATE, so no moment
+//! exists in which a socket goes uncaptured.
+
+use std::{
+    fs,
+    os::{
+        fd::AsFd,
+        unix::fs::{DirBuilderExt, MetadataExt},
+    },
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    EbpfLoader,
+    programs::{Program, ProgramError},
+};
+use aya_obj::generated::bpf_attach_type;
+use sidestep_abi::{map_names, program_names};
+
+use crate::{error::LoadError, mounts, pins::PinLayout, sys};
+
+/// The BPF object built by `cargo xtask build-ebpf`, embedded at compile time.
+pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("SIDESTEP_BPF_OBJECT_PATH"));
+
+/// A program attached once per installation, at a cgroup.
+#[derive(Debug, Clone, Copy)]
+pub struct CgroupProgram {
+    pub name: &'static str,
+    /// Stable link pin name, also what `sidestep status` prints.
+    pub attach_point: &'static str,
+    pub attach_type: bpf_attach_type,
+}
+
+pub const CGROUP_PROGRAMS: [CgroupProgram; 6] = [
+    CgroupProgram {
+        name: program_names::CONNECT4,
+        attach_point: "connect4",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET4_CONNECT,
+    },
+    CgroupProgram {
+        name: program_names::CONNECT6,
+        attach_point: "connect6",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET6_CONNECT,
+    },
+    CgroupProgram {
+        name: program_names::GETPEERNAME4,
+        attach_point: "getpeername4",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET4_GETPEERNAME,
+    },
+    CgroupProgram {
+        name: program_names::GETPEERNAME6,
+        attach_point: "getpeername6",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET6_GETPEERNAME,
+    },
+    CgroupProgram {
+        name: program_names::SOCK_OPS,
+        attach_point: "sockops",
+        attach_type: bpf_attach_type::BPF_CGROUP_SOCK_OPS,
+    },
+    CgroupProgram {
+        name: program_names::GETSOCKOPT,
+        attach_point: "getsockopt",
+        attach_type: bpf_attach_type::BPF_CGROUP_GETSOCKOPT,
+    },
+];
+
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub cgroup: PathBuf,
+    pub pin_root: PathBuf,
+    /// Overrides the pod map's capacity; applies only when the maps are created.
+    pub pod_capacity: Option<u32>,
+    /// The object to load; the embedded one by default.
+    pub object: Option<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadOutcome {
+    /// Nothing was pinned; programs, maps and links are new.
+    Fresh,
+    /// Existing pins were adopted and every link now runs the new programs.
+    Upgraded,
+}
+
+pub fn require_root() -> Result<(), LoadError> {
+    if nix::unistd::geteuid().is_root() {
+        Ok(())
+    } else {
+        Err(LoadError::NotRoot)
+    }
+}
+
+fn mkdir_private(dir: &Path) -> Result<(), LoadError> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| LoadError::Pin {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+fn load_program(program: &mut Program, name: &'static str) -> Result<(), LoadError> {
+    let result = match program {
+        Program::CgroupSockAddr(p) => p.load(),
+        Program::SockOps(p) => p.load(),
+        Program::CgroupSockopt(p) => p.load(),
+        Program::SchedClassifier(p) => p.load(),
+        _ => Err(ProgramError::UnexpectedProgramType),
+    };
+    result.map_err(|source| LoadError::ProgramLoad { name, source })
+}
+
+/// Loads and attaches everything at `opts.cgroup`, pinned under `opts.pin_root`.
+pub fn load(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
+    require_root()?;
+    mounts::ensure_bpffs(&opts.pin_root)?;
+    mounts::check_cgroup2_dir(&opts.cgroup)?;
+    let layout = PinLayout::new(&opts.pin_root);
+    let upgrading = layout.is_loaded();
+    let result = load_inner(opts, &layout, upgrading);
+    if result.is_err() && !upgrading {
+        // A failed first load leaves nothing behind.
+        let _ = unload(&opts.pin_root);
+    }
+    result
+}
+
+fn load_inner(
+    opts: &LoadOptions,
+    layout: &PinLayout,
+    upgrading: bool,
+) -> Result<LoadOutcome, LoadError> {
+    let cgroup = fs::File::open(&opts.cgroup).map_err(|source| LoadError::OpenCgroup {
+        path: opts.cgroup.clone(),
+        source,
+    })?;
+    let cgroup_id = cgroup
+        .metadata()
+        .map_err(|source| LoadError::OpenCgroup {
+            path: opts.cgroup.clone(),
+            source,
+        })?
+        .ino();
+    for dir in [layout.maps_dir(), layout.progs_dir(), layout.links_dir()] {
+        mkdir_private(&dir)?;
+    }
+
+    let mut loader = EbpfLoader::new();
+    let map_paths: Vec<(&str, PathBuf)> =
+        map_names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
+    for (name, path) in &map_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    if let Some(cap) = opts.pod_capacity {
+        loader.map_max_entries(map_names::POD_POLICY, cap);
+        loader.map_max_entries(map_names::COUNTERS, cap);
+    }
+    let object = opts.object.as_deref().unwrap_or(BPF_OBJECT);
+    let mut ebpf = loader.load(object).map_err(LoadError::Object)?;
+
+    // Load every program before touching any link, so a verifier rejection changes nothing.
+    for spec in CGROUP_PROGRAMS {
+        let program = ebpf
+            .program_mut(spec.name)
+            .ok_or(LoadError::MissingProgram(spec.name))?;
+        load_program(program, spec.name)?;
+    }
+
+    for spec in CGROUP_PROGRAMS {
+        let program = ebpf
+            .program_mut(spec.name)
+            .ok_or(LoadError::MissingProgram(spec.name))?;
+        let prog_fd = program
+            .fd()
+            .map_err(|source| LoadError::ProgramLoad {
+                name: spec.name,
+                source,
+            })?
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| LoadError::Pin {
+                path: layout.program(spec.name),
+                source,
+            })?;
+        let link_path = layout.cgroup_link(spec.attach_point);
+        if link_path.exists() {
+            let link = sys::obj_get(&link_path).map_err(|source| LoadError::Pin {
+                path: link_path.clone(),
+                source,
+            })?;
+            let info = sys::link_info(link.as_fd()).map_err(|source| LoadError::Pin {
+                path: link_path.clone(),
+                source,
+            })?;
+            if info.cgroup_id != cgroup_id {
+                return Err(LoadError::OtherCgroup {
+                    pin_root: layout.root().to_path_buf(),
+                    pinned: info.cgroup_id,
+                    requested: cgroup_id,
+                });
+            }
+            sys::link_update(link.as_fd(), prog_fd.as_fd()).map_err(|source| {
+                LoadError::Replace {
+                    path: link_path.clone(),
+                    source,
+                }
+            })?;
+        } else {
+            let link = sys::cgroup_link_create(prog_fd.as_fd(), cgroup.as_fd(), spec.attach_type)
+                .map_err(|source| LoadError::Attach {
+                    name: spec.name,
+                    cgroup: opts.cgroup.clone(),
+                    source,
+                })?;
+            sys::obj_pin(link.as_fd(), &link_path).map_err(|source| LoadError::Pin {
+                path: link_path.clone(),
+                source,
+            })?;
+        }
+        let prog_path = layout.program(spec.name);
+        if prog_path.exists() {
+            fs::remove_file(&prog_path).map_err(|source| LoadError::Unpin {
+                path: prog_path.clone(),
+                source,
+            })?;
+        }
+        sys::obj_pin(prog_fd.as_fd(), &prog_path).map_err(|source| LoadError::Pin {
+            path: prog_path,
+            source,
+        })?;
+    }
+    tracing::info!(
+        pin_root = %layout.root().display(),
+        cgroup = %opts.cgroup.display(),
+        upgrading,
+        "programs attached and pinned"
+    );
+    Ok(if upgrading {
+        LoadOutcome::Upgraded
+    } else {
+        LoadOutcome::Fresh
+    })
+}
+
+/// Detaches every pinned link and removes every pin under `pin_root`. Idempotent.
+pub fn unload(pin_root: &Path) -> Result<(), LoadError> {
+    require_root()?;
+    if !pin_root.exists() {
+        return Ok(());
+    }
+    let layout = PinLayout::new(pin_root);
+    detach_links_under(&layout.links_dir())?;
+    fs::remove_dir_all(pin_root).map_err(|source| LoadError::Unpin {
+        path: pin_root.to_path_buf(),
+        source,
+    })?;
+    Ok(())
+}
+
+/// Detaches each pinned link below `dir` (recursively) and removes its pin.
+pub fn detach_links_under(dir: &Path) -> Result<(), LoadError> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            detach_links_under(&path)?;
+            continue;
+        }
+        // A pin that no longer opens (or is not a link) is still removed.
+        if let Ok(link) = sys::obj_get(&path) {
+            let _ = sys::link_detach(link.as_fd());
+        }
+        fs::remove_file(&path).map_err(|source| LoadError::Unpin {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}

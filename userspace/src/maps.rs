@@ -1,0 +1,94 @@
+//! Typed handles on the pinned maps, opened by path. The CNI plugin, the CLI and the agent all
+//! reach the data path through this one type.
+
+use std::path::Path;
+
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues, lpm_trie::LpmTrie};
+use sidestep_abi::{CidrKey, Counters, PodPolicy, PortKey, map_names};
+
+use crate::{error::MapsError, pins::PinLayout};
+
+pub type PodMap = HashMap<MapData, u64, PodPolicy>;
+pub type PortMap = HashMap<MapData, PortKey, u8>;
+pub type CidrMap = LpmTrie<MapData, CidrKey, u8>;
+pub type CounterMap = PerCpuHashMap<MapData, u64, Counters>;
+
+pub struct PolicyMaps {
+    pub pods: PodMap,
+    pub ports: PortMap,
+    pub cidrs: CidrMap,
+    pub counters: CounterMap,
+    pub pod_capacity: u32,
+}
+
+fn open(layout: &PinLayout, name: &'static str) -> Result<Map, MapsError> {
+    let path = layout.map(name);
+    if !path.exists() {
+        return Err(MapsError::NotLoaded(layout.root().to_path_buf()));
+    }
+    let data = MapData::from_pin(&path).map_err(|source| MapsError::Open {
+        path: path.clone(),
+        source,
+    })?;
+    Map::from_map_data(data).map_err(|source| MapsError::Open { path, source })
+}
+
+fn typed<T: TryFrom<Map, Error = MapError>>(
+    layout: &PinLayout,
+    name: &'static str,
+) -> Result<T, MapsError> {
+    T::try_from(open(layout, name)?).map_err(|source| MapsError::Access { map: name, source })
+}
+
+impl PolicyMaps {
+    pub fn open(pin_root: &Path) -> Result<Self, MapsError> {
+        let layout = PinLayout::new(pin_root);
+        let pod_capacity = MapData::from_pin(layout.map(map_names::POD_POLICY))
+            .and_then(|m| m.info())
+            .map(|i| i.max_entries())
+            .unwrap_or(0);
+        let pods: PodMap = typed(&layout, map_names::POD_POLICY)?;
+        Ok(Self {
+            pods,
+            ports: typed(&layout, map_names::PORT_RULES)?,
+            cidrs: typed(&layout, map_names::CIDR_RULES)?,
+            counters: typed(&layout, map_names::COUNTERS)?,
+            pod_capacity,
+        })
+    }
+
+    /// Every enrolled netns cookie with its policy.
+    pub fn pods(&self) -> Vec<(u64, PodPolicy)> {
+        self.pods.iter().filter_map(Result::ok).collect()
+    }
+
+    /// The pod's counters summed over CPUs; zero when the pod has none.
+    pub fn counters(&self, netns_cookie: u64) -> Counters {
+        let mut total = Counters::default();
+        if let Ok(per_cpu) = self.counters.get(&netns_cookie, 0) {
+            for c in per_cpu.iter() {
+                total.add(c);
+            }
+        }
+        total
+    }
+
+    pub fn zero_counters(&mut self, netns_cookie: u64) -> Result<(), MapsError> {
+        let cpus = aya::util::nr_cpus().map_err(|(what, e)| MapsError::Cpus(format!("{what}: {e}")))?;
+        let values = PerCpuValues::try_from(vec![Counters::default(); cpus])
+            .map_err(|e| MapsError::Cpus(e.to_string()))?;
+        self.counters
+            .insert(netns_cookie, values, 0)
+            .map_err(|source| classify(map_names::COUNTERS, self.pod_capacity, source))
+    }
+}
+
+/// Turns a full map's E2BIG into an error that says so.
+pub fn classify(map: &'static str, capacity: u32, source: MapError) -> MapsError {
+    if let MapError::SyscallError(e) = &source
+        && e.io_error.raw_os_error() == Some(libc::E2BIG)
+    {
+        return MapsError::Full { map, capacity };
+    }
+    MapsError::Access { map, source }
+}

@@ -1,0 +1,141 @@
+//! Finding the cgroup2 and bpffs mounts. Nodes differ: cgroup2 may be at /sys/fs/cgroup or, on
+//! hybrid hosts, /sys/fs/cgroup/unified; bpffs may not be mounted at all.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use crate::error::MountError;
+
+/// One line of /proc/self/mountinfo, the fields we use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub mount_point: PathBuf,
+    pub fs_type: String,
+}
+
+/// Parses mountinfo text. The mount point's octal escapes (`\040` for space) are decoded.
+pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let sep = fields.iter().position(|f| *f == "-")?;
+            let mount_point = unescape(fields.get(4)?);
+            let fs_type = fields.get(sep + 1)?.to_string();
+            Some(Mount {
+                mount_point: PathBuf::from(mount_point),
+                fs_type,
+            })
+        })
+        .collect()
+}
+
+fn unescape(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 4]).unwrap_or(""), 8) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn mounts() -> Result<Vec<Mount>, MountError> {
+    let text = fs::read_to_string("/proc/self/mountinfo").map_err(MountError::MountInfo)?;
+    Ok(parse_mountinfo(&text))
+}
+
+/// The cgroup2 mount point: where production attaches, and the parent of test cgroups.
+pub fn cgroup2_root() -> Result<PathBuf, MountError> {
+    mounts()?
+        .into_iter()
+        .find(|m| m.fs_type == "cgroup2")
+        .map(|m| m.mount_point)
+        .ok_or(MountError::NoCgroup2)
+}
+
+/// Checks that `dir` is a directory on a cgroup2 filesystem.
+pub fn check_cgroup2_dir(dir: &Path) -> Result<(), MountError> {
+    let stat = nix::sys::statfs::statfs(dir).map_err(|e| MountError::NotCgroup2 {
+        path: dir.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    if stat.filesystem_type() != nix::sys::statfs::CGROUP2_SUPER_MAGIC {
+        return Err(MountError::NotCgroup2 {
+            path: dir.to_path_buf(),
+            reason: "not on a cgroup2 filesystem".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Makes sure the pin root's parent lives on bpffs, mounting bpffs at /sys/fs/bpf when nothing is
+/// mounted there (as Cilium and bpftool do).
+pub fn ensure_bpffs(pin_root: &Path) -> Result<(), MountError> {
+    let bpffs = Path::new("/sys/fs/bpf");
+    if !is_bpffs(pin_root.parent().unwrap_or(bpffs)) && pin_root.starts_with(bpffs) && !is_bpffs(bpffs)
+    {
+        fs::create_dir_all(bpffs).map_err(|e| MountError::Bpffs(e.to_string()))?;
+        nix::mount::mount(
+            Some("bpffs"),
+            bpffs,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            Some("mode=0700"),
+        )
+        .map_err(|e| MountError::Bpffs(format!("mount -t bpf bpffs {}: {e}", bpffs.display())))?;
+        tracing::info!(path = %bpffs.display(), "mounted bpffs");
+    }
+    let parent = pin_root.parent().unwrap_or(bpffs);
+    if !is_bpffs(parent) {
+        return Err(MountError::PinRootNotBpffs(pin_root.to_path_buf()));
+    }
+    Ok(())
+}
+
+pub fn is_bpffs(path: &Path) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    nix::sys::statfs::statfs(path)
+        .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "\
+25 30 0:23 / /sys rw,nosuid - sysfs sysfs rw
+31 25 0:26 / /sys/fs/cgroup ro - tmpfs tmpfs ro,mode=755
+32 31 0:27 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+33 31 0:28 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu
+40 25 0:40 / /mnt/with\\040space rw - tmpfs none rw";
+
+    #[test]
+    fn finds_cgroup2_on_hybrid_hosts() {
+        let mounts = parse_mountinfo(HYBRID);
+        let cg2: Vec<_> = mounts.iter().filter(|m| m.fs_type == "cgroup2").collect();
+        assert_eq!(cg2.len(), 1);
+        assert_eq!(cg2[0].mount_point, Path::new("/sys/fs/cgroup/unified"));
+    }
+
+    #[test]
+    fn decodes_octal_escapes() {
+        let mounts = parse_mountinfo(HYBRID);
+        assert!(mounts.iter().any(|m| m.mount_point == Path::new("/mnt/with space")));
+    }
+
+    #[test]
+    fn ignores_garbage_lines() {
+        assert!(parse_mountinfo("garbage\n\n1 2 3").is_empty());
+    }
+}

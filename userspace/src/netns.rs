@@ -1,0 +1,140 @@
+//! Network namespaces: opening one, refusing the host's, reading its cookie, and running code
+//! inside it on a dedicated thread (setns(2) on a thread remounts nothing, unlike `ip netns exec`).
+
+use std::{
+    fs::File,
+    io,
+    os::{
+        fd::{AsFd, AsRawFd},
+        unix::fs::MetadataExt,
+    },
+    path::{Path, PathBuf},
+};
+
+use nix::sched::{CloneFlags, setns};
+
+use crate::error::NetnsError;
+
+const NSFS_MAGIC: i64 = 0x6e73_6673;
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// An open network namespace, verified not to be the host's.
+#[derive(Debug)]
+pub struct Netns {
+    path: PathBuf,
+    file: File,
+}
+
+impl Netns {
+    /// Opens a pod netns path such as /run/netns/x or /proc/PID/ns/net.
+    pub fn open(path: &Path) -> Result<Self, NetnsError> {
+        let file = File::open(path).map_err(|source| NetnsError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let fs = nix::sys::statfs::fstatfs(&file).map_err(|e| NetnsError::Open {
+            path: path.to_path_buf(),
+            source: e.into(),
+        })?;
+        if fs.filesystem_type().0 as i64 != NSFS_MAGIC {
+            return Err(NetnsError::NotNetns(path.to_path_buf()));
+        }
+        let netns = Self {
+            path: path.to_path_buf(),
+            file,
+        };
+        if netns.is_host()? {
+            return Err(NetnsError::HostNetns(path.to_path_buf()));
+        }
+        Ok(netns)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The host netns is the one init (PID 1) lives in. Where PID 1's namespace is hidden (a
+    /// sandbox), the netns this process runs in stands for it: the plugin and the agent run in the
+    /// host netns.
+    fn is_host(&self) -> Result<bool, NetnsError> {
+        let ours = self.file.metadata().map_err(|source| NetnsError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        let same = |path: &str| {
+            std::fs::metadata(path)
+                .map(|m| m.dev() == ours.dev() && m.ino() == ours.ino())
+                .ok()
+        };
+        let own = same("/proc/self/ns/net").ok_or_else(|| NetnsError::Open {
+            path: "/proc/self/ns/net".into(),
+            source: io::Error::last_os_error(),
+        })?;
+        Ok(own || same("/proc/1/ns/net").unwrap_or(false))
+    }
+
+    /// Runs `f` on a fresh thread that has entered this netns. The caller's thread is untouched.
+    pub fn run<T: Send>(
+        &self,
+        f: impl FnOnce() -> io::Result<T> + Send,
+    ) -> Result<T, NetnsError> {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| {
+                        NetnsError::Enter {
+                            path: self.path.clone(),
+                            source: e.into(),
+                        }
+                    })?;
+                    f().map_err(|source| NetnsError::Enter {
+                        path: self.path.clone(),
+                        source,
+                    })
+                })
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(NetnsError::Enter {
+                        path: self.path.clone(),
+                        source: io::Error::other("thread panicked"),
+                    })
+                })
+        })
+    }
+
+    /// The netns cookie (SO_NETNS_COOKIE), the key of every per-pod map entry.
+    pub fn cookie(&self) -> Result<u64, NetnsError> {
+        self.run(socket_netns_cookie).map_err(|e| match e {
+            NetnsError::Enter { path, source } if source.raw_os_error().is_some() => {
+                NetnsError::Cookie { path, source }
+            }
+            other => other,
+        })
+    }
+}
+
+/// The cookie of the netns the calling thread is in.
+pub fn socket_netns_cookie() -> io::Result<u64> {
+    let sock = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `cookie` and `len` are valid for writes of the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            std::ptr::from_mut(&mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}

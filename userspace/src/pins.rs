@@ -1,0 +1,61 @@
+//! The pin layout under a pin root. Operators find everything of one installation here:
+//!
+//! ```text
+//! <pin_root>/maps/<MAP_NAME>       every map
+//! <pin_root>/progs/<program_name>  every program
+//! <pin_root>/links/<attach_point>  one cgroup link per program (connect4, sockops, ...)
+//! ```
+
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/sidestep";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinLayout {
+    root: PathBuf,
+}
+
+impl PinLayout {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+    pub fn maps_dir(&self) -> PathBuf {
+        self.root.join("maps")
+    }
+    pub fn progs_dir(&self) -> PathBuf {
+        self.root.join("progs")
+    }
+    pub fn links_dir(&self) -> PathBuf {
+        self.root.join("links")
+    }
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.maps_dir().join(name)
+    }
+    pub fn program(&self, name: &str) -> PathBuf {
+        self.progs_dir().join(name)
+    }
+    pub fn cgroup_link(&self, attach_point: &str) -> PathBuf {
+        self.links_dir().join(attach_point)
+    }
+    /// Whether a load left its programs here: the policy map is pinned last.
+    pub fn is_loaded(&self) -> bool {
+        self.map(sidestep_abi::map_names::POD_POLICY).exists()
+            && self.links_dir().is_dir()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_paths_are_stable() {
+        let l = PinLayout::new("/sys/fs/bpf/x");
+        assert_eq!(l.map("SIDESTEP_POD"), Path::new("/sys/fs/bpf/x/maps/SIDESTEP_POD"));
+        assert_eq!(l.cgroup_link("connect4"), Path::new("/sys/fs/bpf/x/links/connect4"));
+        assert_eq!(l.program("p"), Path::new("/sys/fs/bpf/x/progs/p"));
+    }
+}

@@ -1,0 +1,416 @@
+//! The per-pod capture policy, its list parsers (shared with the CNI plugin's annotation parsing),
+//! and its translation into map entries.
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv6Addr},
+    str::FromStr,
+};
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use sidestep_abi::{
+    CIDR_KEY_FIXED_BITS, CidrKey, PodPolicy, PortKey, cidr_list, defaults, flags, port_list,
+};
+
+use crate::error::PolicyError;
+
+/// A port list where `*` means every port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "ListInput", into = "String")]
+pub enum PortSet {
+    All,
+    Only(BTreeSet<u16>),
+}
+
+/// A CIDR list where `*` means every address of both families.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "ListInput", into = "String")]
+pub enum CidrSet {
+    All,
+    Only(Vec<IpNet>),
+}
+
+/// Lists arrive as Istio's comma-separated strings or as JSON arrays.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ListInput {
+    Text(String),
+    Items(Vec<String>),
+}
+
+impl ListInput {
+    fn joined(self) -> String {
+        match self {
+            Self::Text(s) => s,
+            Self::Items(v) => v.join(","),
+        }
+    }
+}
+
+impl TryFrom<ListInput> for PortSet {
+    type Error = PolicyError;
+    fn try_from(v: ListInput) -> Result<Self, Self::Error> {
+        parse_port_set("port list", &v.joined())
+    }
+}
+
+impl TryFrom<ListInput> for CidrSet {
+    type Error = PolicyError;
+    fn try_from(v: ListInput) -> Result<Self, Self::Error> {
+        parse_cidr_set("CIDR list", &v.joined())
+    }
+}
+
+impl From<PortSet> for String {
+    fn from(p: PortSet) -> String {
+        match p {
+            PortSet::All => "*".into(),
+            PortSet::Only(s) => s.iter().map(u16::to_string).collect::<Vec<_>>().join(","),
+        }
+    }
+}
+
+impl From<CidrSet> for String {
+    fn from(c: CidrSet) -> String {
+        match c {
+            CidrSet::All => "*".into(),
+            CidrSet::Only(v) => v.iter().map(IpNet::to_string).collect::<Vec<_>>().join(","),
+        }
+    }
+}
+
+impl PortSet {
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Self::Only(s) if s.is_empty())
+    }
+    pub fn none() -> Self {
+        Self::Only(BTreeSet::new())
+    }
+}
+
+impl CidrSet {
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Self::Only(v) if v.is_empty())
+    }
+}
+
+fn items(text: &str) -> impl Iterator<Item = &str> {
+    text.split(',').map(str::trim).filter(|s| !s.is_empty())
+}
+
+/// Parses one port (1-65535). `field` names the annotation or flag in the error.
+pub fn parse_port(field: &str, text: &str) -> Result<u16, PolicyError> {
+    match u16::from_str(text.trim()) {
+        Ok(p) if p != 0 => Ok(p),
+        _ => Err(PolicyError::Port {
+            field: field.into(),
+            value: text.into(),
+        }),
+    }
+}
+
+/// Parses a comma-separated port list; `*` alone means all ports.
+pub fn parse_port_set(field: &str, text: &str) -> Result<PortSet, PolicyError> {
+    if text.trim() == "*" {
+        return Ok(PortSet::All);
+    }
+    items(text)
+        .map(|p| parse_port(field, p))
+        .collect::<Result<BTreeSet<_>, _>>()
+        .map(PortSet::Only)
+}
+
+/// Parses a comma-separated port list that may not be `*`.
+pub fn parse_port_list(field: &str, text: &str) -> Result<BTreeSet<u16>, PolicyError> {
+    match parse_port_set(field, text)? {
+        PortSet::All => Err(PolicyError::Value {
+            field: field.into(),
+            value: text.into(),
+            reason: "`*` is not allowed here".into(),
+        }),
+        PortSet::Only(s) => Ok(s),
+    }
+}
+
+/// Parses a comma-separated CIDR list; `*` alone means everything. A bare address is a host route.
+pub fn parse_cidr_set(field: &str, text: &str) -> Result<CidrSet, PolicyError> {
+    if text.trim() == "*" {
+        return Ok(CidrSet::All);
+    }
+    items(text)
+        .map(|c| parse_cidr(field, c))
+        .collect::<Result<Vec<_>, _>>()
+        .map(CidrSet::Only)
+}
+
+pub fn parse_cidr(field: &str, text: &str) -> Result<IpNet, PolicyError> {
+    let err = |reason: String| PolicyError::Cidr {
+        field: field.into(),
+        value: text.into(),
+        reason,
+    };
+    if text.contains('/') {
+        let net = IpNet::from_str(text).map_err(|e| err(e.to_string()))?;
+        Ok(net.trunc())
+    } else {
+        IpAddr::from_str(text)
+            .map(IpNet::from)
+            .map_err(|e| err(e.to_string()))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum InterceptionMode {
+    #[default]
+    Redirect,
+    Tproxy,
+}
+
+impl FromStr for InterceptionMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "REDIRECT" => Ok(Self::Redirect),
+            "TPROXY" => Ok(Self::Tproxy),
+            other => Err(format!("{other:?} is not REDIRECT or TPROXY")),
+        }
+    }
+}
+
+/// One pod's capture policy. The JSON form (`--policy FILE`, the CNI `policy` object) uses these
+/// camelCase names; lists take Istio's comma-separated strings or arrays.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default, deny_unknown_fields)]
+pub struct Policy {
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    pub outbound_port: u16,
+    pub inbound_port: u16,
+    pub dns_port: u16,
+    pub interception_mode: InterceptionMode,
+    #[serde(rename = "includeOutboundIPRanges")]
+    pub include_outbound_ip_ranges: CidrSet,
+    #[serde(rename = "excludeOutboundIPRanges")]
+    pub exclude_outbound_ip_ranges: CidrSet,
+    pub include_outbound_ports: PortSet,
+    pub exclude_outbound_ports: PortSet,
+    pub include_inbound_ports: PortSet,
+    pub exclude_inbound_ports: PortSet,
+    pub exclude_interfaces: Vec<String>,
+    pub reroute_virtual_interfaces: Vec<String>,
+    pub dns_capture: bool,
+    /// IPv6 outbound capture. On by default: an IPv6 connect from a v4-only pod then fails at the
+    /// proxy instead of leaving the pod uncaptured (istio-iptables installs no ip6tables rules).
+    pub capture_ipv6: bool,
+    /// The pod's own addresses, for hairpin detection.
+    #[serde(rename = "podIPs")]
+    pub pod_ips: Vec<IpAddr>,
+}
+
+impl Default for Policy {
+    /// Istio's defaults: capture every outbound destination and every inbound port.
+    fn default() -> Self {
+        Self {
+            proxy_uid: defaults::PROXY_UID,
+            proxy_gid: defaults::PROXY_GID,
+            outbound_port: defaults::OUTBOUND_PORT,
+            inbound_port: defaults::INBOUND_PORT,
+            dns_port: defaults::DNS_PORT,
+            interception_mode: InterceptionMode::Redirect,
+            include_outbound_ip_ranges: CidrSet::All,
+            exclude_outbound_ip_ranges: CidrSet::Only(Vec::new()),
+            include_outbound_ports: PortSet::none(),
+            exclude_outbound_ports: PortSet::none(),
+            include_inbound_ports: PortSet::All,
+            exclude_inbound_ports: PortSet::none(),
+            exclude_interfaces: Vec::new(),
+            reroute_virtual_interfaces: Vec::new(),
+            dns_capture: false,
+            capture_ipv6: true,
+            pod_ips: Vec::new(),
+        }
+    }
+}
+
+/// Everything one pod puts in the maps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapEntries {
+    pub pod: PodPolicy,
+    pub ports: Vec<PortKey>,
+    /// (prefix length in bits, key data)
+    pub cidrs: Vec<(u32, CidrKey)>,
+}
+
+fn cidr_entry(netns_cookie: u64, list: u32, net: &IpNet) -> (u32, CidrKey) {
+    let (addr, bits) = match net {
+        IpNet::V4(n) => (n.network().to_ipv6_mapped(), 96 + u32::from(n.prefix_len())),
+        IpNet::V6(n) => (n.network(), u32::from(n.prefix_len())),
+    };
+    (
+        CIDR_KEY_FIXED_BITS + bits,
+        CidrKey::new(netns_cookie, list, addr.octets()),
+    )
+}
+
+fn all_addresses() -> IpNet {
+    IpNet::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0).expect("/0 is a valid prefix")
+}
+
+impl Policy {
+    /// Checks what serde cannot: values that parse but make no sense together.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        for (field, port) in [
+            ("outboundPort", self.outbound_port),
+            ("inboundPort", self.inbound_port),
+            ("dnsPort", self.dns_port),
+        ] {
+            if port == 0 {
+                return Err(PolicyError::Port {
+                    field: field.into(),
+                    value: "0".into(),
+                });
+            }
+        }
+        if self.outbound_port == self.inbound_port {
+            return Err(PolicyError::Value {
+                field: "inboundPort".into(),
+                value: self.inbound_port.to_string(),
+                reason: "must differ from outboundPort".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Inbound ports that are never captured: Istio's fixed four plus the pod's own.
+    pub fn effective_inbound_excludes(&self) -> BTreeSet<u16> {
+        let mut ports: BTreeSet<u16> = defaults::ALWAYS_EXCLUDED_INBOUND.into_iter().collect();
+        if let PortSet::Only(own) = &self.exclude_inbound_ports {
+            ports.extend(own);
+        }
+        ports
+    }
+
+    pub fn to_map_entries(&self, netns_cookie: u64) -> MapEntries {
+        let mut f = 0;
+        let mut ports = Vec::new();
+        let port_key = |list, port: u16| PortKey {
+            netns_cookie,
+            list,
+            port: u32::from(port),
+        };
+        match &self.include_inbound_ports {
+            PortSet::All => f |= flags::INBOUND | flags::INBOUND_ALL_PORTS,
+            PortSet::Only(s) if !s.is_empty() => {
+                f |= flags::INBOUND;
+                ports.extend(s.iter().map(|p| port_key(port_list::INBOUND_INCLUDE, *p)));
+            }
+            PortSet::Only(_) => {}
+        }
+        if f & flags::INBOUND != 0 {
+            f |= flags::HAIRPIN;
+            ports.extend(
+                self.effective_inbound_excludes()
+                    .into_iter()
+                    .map(|p| port_key(port_list::INBOUND_EXCLUDE, p)),
+            );
+        }
+        if let PortSet::Only(s) = &self.exclude_outbound_ports
+            && !s.is_empty()
+        {
+            f |= flags::HAS_OUT_PORT_EXCLUDES;
+            ports.extend(s.iter().map(|p| port_key(port_list::OUTBOUND_EXCLUDE, *p)));
+        }
+        match &self.include_outbound_ports {
+            PortSet::Only(s) if !s.is_empty() => {
+                f |= flags::OUTBOUND | flags::HAS_OUT_PORT_INCLUDES;
+                ports.extend(s.iter().map(|p| port_key(port_list::OUTBOUND_INCLUDE, *p)));
+            }
+            // "*" for outbound ports is the same as including every range.
+            PortSet::All => f |= flags::OUTBOUND,
+            PortSet::Only(_) => {}
+        }
+
+        let mut cidrs = Vec::new();
+        match &self.include_outbound_ip_ranges {
+            CidrSet::All => {
+                f |= flags::OUTBOUND;
+                cidrs.push(cidr_entry(
+                    netns_cookie,
+                    cidr_list::OUTBOUND_INCLUDE,
+                    &all_addresses(),
+                ));
+            }
+            CidrSet::Only(v) => {
+                if !v.is_empty() {
+                    f |= flags::OUTBOUND;
+                }
+                cidrs.extend(
+                    v.iter()
+                        .map(|n| cidr_entry(netns_cookie, cidr_list::OUTBOUND_INCLUDE, n)),
+                );
+            }
+        }
+        if matches!(self.include_outbound_ports, PortSet::All) {
+            cidrs.push(cidr_entry(
+                netns_cookie,
+                cidr_list::OUTBOUND_INCLUDE,
+                &all_addresses(),
+            ));
+        }
+        match &self.exclude_outbound_ip_ranges {
+            CidrSet::All => {
+                // Excluding everything leaves only hairpin and DNS; keep it explicit in the trie.
+                f |= flags::HAS_OUT_CIDR_EXCLUDES;
+                cidrs.push(cidr_entry(
+                    netns_cookie,
+                    cidr_list::OUTBOUND_EXCLUDE,
+                    &all_addresses(),
+                ));
+            }
+            CidrSet::Only(v) if !v.is_empty() => {
+                f |= flags::HAS_OUT_CIDR_EXCLUDES;
+                cidrs.extend(
+                    v.iter()
+                        .map(|n| cidr_entry(netns_cookie, cidr_list::OUTBOUND_EXCLUDE, n)),
+                );
+            }
+            CidrSet::Only(_) => {}
+        }
+        cidrs.extend(
+            self.pod_ips
+                .iter()
+                .map(|ip| cidr_entry(netns_cookie, cidr_list::POD_ADDRESS, &IpNet::from(*ip))),
+        );
+        if self.dns_capture {
+            f |= flags::DNS_CAPTURE;
+        }
+        if self.interception_mode == InterceptionMode::Tproxy {
+            f |= flags::TPROXY;
+        }
+        if self.capture_ipv6 {
+            f |= flags::IPV6;
+        }
+        cidrs.sort_by(|a, b| (a.0, a.1.list_be, a.1.addr).cmp(&(b.0, b.1.list_be, b.1.addr)));
+        cidrs.dedup();
+        ports.sort_by_key(|k| (k.list, k.port));
+        ports.dedup();
+        MapEntries {
+            pod: PodPolicy {
+                proxy_uid: self.proxy_uid,
+                proxy_gid: self.proxy_gid,
+                outbound_port: self.outbound_port,
+                inbound_port: self.inbound_port,
+                dns_port: self.dns_port,
+                _reserved: 0,
+                flags: f,
+            },
+            ports,
+            cidrs,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,103 @@
+use super::*;
+
+#[test]
+fn defaults_capture_everything_like_istio() {
+    let e = Policy::default().to_map_entries(7);
+    let f = e.pod.flags;
+    assert_ne!(f & flags::OUTBOUND, 0);
+    assert_ne!(f & flags::INBOUND_ALL_PORTS, 0);
+    assert_ne!(f & flags::HAIRPIN, 0);
+    assert_eq!(f & flags::DNS_CAPTURE, 0);
+    assert_eq!(e.pod.outbound_port, 15001);
+    assert_eq!(e.pod.inbound_port, 15006);
+    // "*" is one ::/0 entry, which also covers IPv4-mapped addresses.
+    assert_eq!(e.cidrs.len(), 1);
+    assert_eq!(e.cidrs[0].0, CIDR_KEY_FIXED_BITS);
+    let excluded: Vec<u32> = e
+        .ports
+        .iter()
+        .filter(|k| k.list == port_list::INBOUND_EXCLUDE)
+        .map(|k| k.port)
+        .collect();
+    assert_eq!(excluded, vec![15008, 15020, 15021, 15090]);
+}
+
+#[test]
+fn ipv4_ranges_become_mapped_prefixes() {
+    let p = Policy {
+        include_outbound_ip_ranges: parse_cidr_set("f", "10.0.0.0/8").unwrap(),
+        exclude_outbound_ip_ranges: parse_cidr_set("f", "10.1.0.0/16, 2001:db8::/32").unwrap(),
+        ..Policy::default()
+    };
+    let e = p.to_map_entries(1);
+    let include = e
+        .cidrs
+        .iter()
+        .find(|(_, k)| k.list_be == cidr_list::OUTBOUND_INCLUDE.to_be())
+        .unwrap();
+    assert_eq!(include.0, CIDR_KEY_FIXED_BITS + 96 + 8);
+    assert_eq!(&include.1.addr[10..13], &[0xff, 0xff, 10]);
+    assert_ne!(e.pod.flags & flags::HAS_OUT_CIDR_EXCLUDES, 0);
+    assert_eq!(
+        e.cidrs
+            .iter()
+            .filter(|(_, k)| k.list_be == cidr_list::OUTBOUND_EXCLUDE.to_be())
+            .count(),
+        2
+    );
+}
+
+#[test]
+fn empty_includes_turn_capture_off() {
+    let p = Policy {
+        include_outbound_ip_ranges: parse_cidr_set("f", "").unwrap(),
+        include_inbound_ports: parse_port_set("f", "").unwrap(),
+        ..Policy::default()
+    };
+    let f = p.to_map_entries(1).pod.flags;
+    assert_eq!(f & (flags::OUTBOUND | flags::INBOUND | flags::HAIRPIN), 0);
+}
+
+#[test]
+fn bad_values_name_the_field() {
+    let e = parse_port_set("traffic.sidecar.istio.io/excludeInboundPorts", "80,70000").unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("excludeInboundPorts") && msg.contains("70000"), "{msg}");
+    let e = parse_cidr_set("includeOutboundIPRanges", "10.0.0.0/33").unwrap_err();
+    assert!(e.to_string().contains("10.0.0.0/33"));
+    assert!(parse_port("p", "0").is_err());
+    assert!(parse_port("p", "-1").is_err());
+    assert!(parse_port_list("p", "*").is_err());
+}
+
+#[test]
+fn json_accepts_strings_and_arrays() {
+    let p: Policy = serde_json::from_str(
+        r#"{"proxyUid":2102,"includeOutboundIPRanges":["10.0.0.0/8","fd00::/8"],
+            "excludeOutboundPorts":"22, 443","podIPs":["10.1.2.3"]}"#,
+    )
+    .unwrap();
+    assert_eq!(p.proxy_uid, 2102);
+    assert_eq!(p.proxy_gid, 1337);
+    assert!(matches!(&p.include_outbound_ip_ranges, CidrSet::Only(v) if v.len() == 2));
+    assert_eq!(p.exclude_outbound_ports, PortSet::Only([22, 443].into()));
+    let back: Policy = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+    assert_eq!(back, p);
+    assert!(serde_json::from_str::<Policy>(r#"{"bogus":1}"#).is_err());
+}
+
+#[test]
+fn pod_ips_are_host_routes() {
+    let p = Policy {
+        pod_ips: vec!["10.9.8.7".parse().unwrap(), "fd00::7".parse().unwrap()],
+        ..Policy::default()
+    };
+    let e = p.to_map_entries(3);
+    let pods: Vec<u32> = e
+        .cidrs
+        .iter()
+        .filter(|(_, k)| k.list_be == cidr_list::POD_ADDRESS.to_be())
+        .map(|(bits, _)| *bits)
+        .collect();
+    assert_eq!(pods, vec![CIDR_KEY_FIXED_BITS + 128, CIDR_KEY_FIXED_BITS + 128]);
+}

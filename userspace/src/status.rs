@@ -1,0 +1,240 @@
+//! `sidestep status`: what is loaded, where it is attached, who is enrolled, and what it did.
+
+use std::{
+    fmt::Write as _,
+    fs,
+    os::{fd::AsFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
+};
+
+use aya::programs::ProgramInfo;
+use serde::Serialize;
+use sidestep_abi::{Counters, PodPolicy, flags};
+
+use crate::{loader::CGROUP_PROGRAMS, maps::PolicyMaps, mounts, pins::PinLayout, sys};
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub pin_root: PathBuf,
+    pub loaded: bool,
+    pub programs: Vec<ProgramStatus>,
+    pub attachments: Vec<Attachment>,
+    pub pods: Vec<PodStatus>,
+    pub pod_capacity: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ProgramStatus {
+    pub name: String,
+    pub id: u32,
+    /// Filled only while `kernel.bpf_stats_enabled=1`.
+    pub run_count: u64,
+    pub run_time_ns: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Attachment {
+    pub attach_point: String,
+    pub link_id: u32,
+    pub prog_id: u32,
+    pub cgroup: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PodStatus {
+    pub netns_cookie: u64,
+    pub policy: PolicySummary,
+    pub counters: CounterSummary,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PolicySummary {
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    pub outbound_port: u16,
+    pub inbound_port: u16,
+    pub dns_port: u16,
+    pub capture: Vec<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CounterSummary {
+    pub redirected_outbound: u64,
+    pub redirected_inbound: u64,
+    pub passed_outbound: u64,
+    pub passed_inbound: u64,
+    pub dns_redirected: u64,
+    pub orig_dst_hits: u64,
+    pub orig_dst_misses: u64,
+}
+
+impl From<Counters> for CounterSummary {
+    fn from(c: Counters) -> Self {
+        Self {
+            redirected_outbound: c.redirected_outbound,
+            redirected_inbound: c.redirected_inbound,
+            passed_outbound: c.passed_outbound,
+            passed_inbound: c.passed_inbound,
+            dns_redirected: c.dns_redirected,
+            orig_dst_hits: c.orig_dst_hits,
+            orig_dst_misses: c.orig_dst_misses,
+        }
+    }
+}
+
+pub fn summarize_policy(p: &PodPolicy) -> PolicySummary {
+    let names = [
+        (flags::OUTBOUND, "outbound"),
+        (flags::INBOUND, "inbound"),
+        (flags::INBOUND_ALL_PORTS, "inbound-all-ports"),
+        (flags::HAIRPIN, "hairpin"),
+        (flags::DNS_CAPTURE, "dns"),
+        (flags::TPROXY, "tproxy"),
+        (flags::IPV6, "ipv6"),
+        (flags::HAS_OUT_PORT_EXCLUDES, "excluded-outbound-ports"),
+        (flags::HAS_OUT_PORT_INCLUDES, "included-outbound-ports"),
+        (flags::HAS_OUT_CIDR_EXCLUDES, "excluded-outbound-ranges"),
+    ];
+    PolicySummary {
+        proxy_uid: p.proxy_uid,
+        proxy_gid: p.proxy_gid,
+        outbound_port: p.outbound_port,
+        inbound_port: p.inbound_port,
+        dns_port: p.dns_port,
+        capture: names
+            .iter()
+            .filter(|(bit, _)| p.flags & bit != 0)
+            .map(|(_, n)| *n)
+            .collect(),
+    }
+}
+
+/// Finds the cgroup directory whose inode is `id`, searching a few levels below the cgroup2 root.
+fn cgroup_path(id: u64) -> Option<PathBuf> {
+    fn walk(dir: &Path, id: u64, depth: u8) -> Option<PathBuf> {
+        if fs::metadata(dir).ok()?.ino() == id {
+            return Some(dir.to_path_buf());
+        }
+        if depth == 0 {
+            return None;
+        }
+        fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+            .find_map(|e| walk(&e.path(), id, depth - 1))
+    }
+    walk(&mounts::cgroup2_root().ok()?, id, 4)
+}
+
+pub fn collect(pin_root: &Path) -> Status {
+    let layout = PinLayout::new(pin_root);
+    let mut programs = Vec::new();
+    let mut attachments = Vec::new();
+    for spec in CGROUP_PROGRAMS {
+        if let Ok(info) = ProgramInfo::from_pin(layout.program(spec.name)) {
+            programs.push(ProgramStatus {
+                name: spec.name.to_string(),
+                id: info.id(),
+                run_count: info.run_count(),
+                run_time_ns: info.run_time().as_nanos() as u64,
+            });
+        }
+        if let Ok(link) = sys::obj_get(&layout.cgroup_link(spec.attach_point))
+            && let Ok(info) = sys::link_info(link.as_fd())
+        {
+            attachments.push(Attachment {
+                attach_point: spec.attach_point.to_string(),
+                link_id: info.id,
+                prog_id: info.prog_id,
+                cgroup: cgroup_path(info.cgroup_id),
+            });
+        }
+    }
+    let (pods, pod_capacity) = match PolicyMaps::open(pin_root) {
+        Ok(maps) => {
+            let pods = maps
+                .pods()
+                .into_iter()
+                .map(|(cookie, policy)| PodStatus {
+                    netns_cookie: cookie,
+                    policy: summarize_policy(&policy),
+                    counters: maps.counters(cookie).into(),
+                })
+                .collect();
+            (pods, maps.pod_capacity)
+        }
+        Err(_) => (Vec::new(), 0),
+    };
+    Status {
+        pin_root: pin_root.to_path_buf(),
+        loaded: layout.is_loaded(),
+        programs,
+        attachments,
+        pods,
+        pod_capacity,
+    }
+}
+
+impl Status {
+    /// The human-readable form.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if !self.loaded {
+            let _ = writeln!(
+                out,
+                "sidestep is not loaded at {} (run `sidestep load`).",
+                self.pin_root.display()
+            );
+            return out;
+        }
+        let _ = writeln!(out, "sidestep at {}", self.pin_root.display());
+        let _ = writeln!(out, "\nPROGRAMS ({}):", self.programs.len());
+        let _ = writeln!(out, "  {:<24} {:>6} {:>12} {:>12}", "NAME", "ID", "RUNS", "AVG NS");
+        for p in &self.programs {
+            let avg = if p.run_count > 0 { p.run_time_ns / p.run_count } else { 0 };
+            let _ = writeln!(out, "  {:<24} {:>6} {:>12} {:>12}", p.name, p.id, p.run_count, avg);
+        }
+        let _ = writeln!(out, "\nATTACHMENTS ({}):", self.attachments.len());
+        for a in &self.attachments {
+            let cg = a
+                .cgroup
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "?".into());
+            let _ = writeln!(
+                out,
+                "  {:<14} link {:>5} prog {:>5} cgroup {}",
+                a.attach_point, a.link_id, a.prog_id, cg
+            );
+        }
+        let _ = writeln!(out, "\nPODS ({} of {} slots):", self.pods.len(), self.pod_capacity);
+        for pod in &self.pods {
+            let p = &pod.policy;
+            let c = &pod.counters;
+            let _ = writeln!(
+                out,
+                "  netns {:<8} proxy uid {} gid {}  ports out {} in {} dns {}  [{}]",
+                pod.netns_cookie,
+                p.proxy_uid,
+                p.proxy_gid,
+                p.outbound_port,
+                p.inbound_port,
+                p.dns_port,
+                p.capture.join(",")
+            );
+            let _ = writeln!(
+                out,
+                "      redirected out {} in {} dns {}  passed out {} in {}  original-dst hits {} misses {}",
+                c.redirected_outbound,
+                c.redirected_inbound,
+                c.dns_redirected,
+                c.passed_outbound,
+                c.passed_inbound,
+                c.orig_dst_hits,
+                c.orig_dst_misses
+            );
+        }
+        out
+    }
+}

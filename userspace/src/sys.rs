@@ -1,0 +1,133 @@
+//! The few bpf(2) commands aya 0.14 does not expose for our use: cgroup links for every program
+//! type (aya cannot turn a getsockopt link into a pinnable FdLink), link update for atomic program
+//! replacement, link detach, and link info.
+
+use std::{
+    ffi::CString,
+    io,
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    path::Path,
+};
+
+use aya_obj::generated::{bpf_attach_type, bpf_attr, bpf_cmd, bpf_link_info};
+
+fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<i64> {
+    // SAFETY: `attr` is a valid, zero-initialised bpf_attr of the size we pass.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd as libc::c_long,
+            attr as *mut bpf_attr,
+            std::mem::size_of::<bpf_attr>(),
+        )
+    };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
+}
+
+fn zeroed_attr() -> bpf_attr {
+    // SAFETY: bpf_attr is plain data; all-zero is its documented "unset" state.
+    unsafe { std::mem::zeroed() }
+}
+
+/// BPF_LINK_CREATE for a cgroup attach type. Cgroup links always allow multiple programs.
+pub fn cgroup_link_create(
+    prog: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    attach_type: bpf_attach_type,
+) -> io::Result<OwnedFd> {
+    let mut attr = zeroed_attr();
+    attr.link_create.__bindgen_anon_1.prog_fd = prog.as_raw_fd() as u32;
+    attr.link_create.__bindgen_anon_2.target_fd = cgroup.as_raw_fd() as u32;
+    attr.link_create.attach_type = attach_type as u32;
+    let fd = bpf(bpf_cmd::BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new file descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Atomically swaps the program behind a link: no moment exists where neither runs.
+pub fn link_update(link: BorrowedFd<'_>, new_prog: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = zeroed_attr();
+    attr.link_update.link_fd = link.as_raw_fd() as u32;
+    attr.link_update.__bindgen_anon_1.new_prog_fd = new_prog.as_raw_fd() as u32;
+    bpf(bpf_cmd::BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+/// Detaches a link even while other references (pins, fds) keep the link object alive.
+pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = zeroed_attr();
+    attr.link_detach.link_fd = link.as_raw_fd() as u32;
+    bpf(bpf_cmd::BPF_LINK_DETACH, &mut attr).map(drop)
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    use std::os::unix::ffi::OsStrExt as _;
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let path = c_path(path)?;
+    let mut attr = zeroed_attr();
+    attr.__bindgen_anon_4.bpf_fd = fd.as_raw_fd() as u32;
+    attr.__bindgen_anon_4.pathname = path.as_ptr() as u64;
+    bpf(bpf_cmd::BPF_OBJ_PIN, &mut attr).map(drop)
+}
+
+pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let path = c_path(path)?;
+    let mut attr = zeroed_attr();
+    attr.__bindgen_anon_4.pathname = path.as_ptr() as u64;
+    let fd = bpf(bpf_cmd::BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: the kernel returned a new file descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// What the kernel says about a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub id: u32,
+    pub prog_id: u32,
+    pub link_type: u32,
+    /// For cgroup links: the cgroup's id (its inode number) and attach type.
+    pub cgroup_id: u64,
+    pub attach_type: u32,
+    /// For TCX links: the interface index.
+    pub ifindex: u32,
+}
+
+pub const BPF_LINK_TYPE_CGROUP: u32 = 3;
+pub const BPF_LINK_TYPE_TCX: u32 = 11;
+
+pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    // SAFETY: plain data, zero is valid.
+    let mut info: bpf_link_info = unsafe { std::mem::zeroed() };
+    let mut attr = zeroed_attr();
+    attr.info.bpf_fd = link.as_raw_fd() as u32;
+    attr.info.info_len = std::mem::size_of::<bpf_link_info>() as u32;
+    attr.info.info = std::ptr::from_mut(&mut info) as u64;
+    bpf(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    // SAFETY: the kernel filled the union arm matching `type_`; we read only that arm.
+    let (cgroup_id, attach_type, ifindex) = unsafe {
+        match info.type_ {
+            BPF_LINK_TYPE_CGROUP => (
+                info.__bindgen_anon_1.cgroup.cgroup_id,
+                info.__bindgen_anon_1.cgroup.attach_type,
+                0,
+            ),
+            BPF_LINK_TYPE_TCX => (
+                0,
+                info.__bindgen_anon_1.tcx.attach_type,
+                info.__bindgen_anon_1.tcx.ifindex,
+            ),
+            _ => (0, 0, 0),
+        }
+    };
+    Ok(LinkInfo {
+        id: info.id,
+        prog_id: info.prog_id,
+        link_type: info.type_,
+        cgroup_id,
+        attach_type,
+        ifindex,
+    })
+}
