@@ -7,13 +7,15 @@
 use std::{collections::HashSet, path::Path};
 
 use aya::maps::lpm_trie::Key;
-use sidestep_abi::{CidrKey, PortKey, map_names};
+use sidestep_abi::{CidrKey, PortKey, flags, map_names};
 
 use crate::{
     error::{EnrollError, MapsError},
     maps::{PolicyMaps, classify},
     netns::Netns,
+    pins::PinLayout,
     policy::{MapEntries, Policy},
+    tc,
 };
 
 /// What an enrolment wrote, for the caller's state record.
@@ -21,19 +23,52 @@ use crate::{
 pub struct Enrolled {
     pub netns_cookie: u64,
     pub entries: MapEntries,
+    /// Interfaces that carry the inbound tc program.
+    pub interfaces: Vec<String>,
 }
 
 /// Enrols the netns at `netns_path` with `policy`. Re-enrolling replaces the old policy in place.
-pub fn enroll(pin_root: &Path, netns_path: &Path, policy: &Policy) -> Result<Enrolled, EnrollError> {
+/// Inbound capture is attached to `interfaces` (every non-loopback interface when `None`).
+/// On failure nothing of this call remains.
+pub fn enroll(
+    pin_root: &Path,
+    netns_path: &Path,
+    policy: &Policy,
+    interfaces: Option<&[String]>,
+) -> Result<Enrolled, EnrollError> {
     policy.validate()?;
+    let layout = PinLayout::new(pin_root);
     let mut maps = PolicyMaps::open(pin_root)?;
     let netns = Netns::open(netns_path)?;
     let netns_cookie = netns.cookie()?;
+    let was_enrolled = maps.pods.get(&netns_cookie, 0).is_ok();
     let entries = policy.to_map_entries(netns_cookie);
     write_entries(&mut maps, netns_cookie, &entries)?;
+    let attached = if entries.pod.flags & flags::INBOUND != 0 {
+        match tc::attach_inbound(
+            &layout,
+            &netns,
+            netns_cookie,
+            interfaces,
+            &policy.exclude_interfaces,
+        ) {
+            Ok(a) => a,
+            Err(e) => {
+                if !was_enrolled {
+                    let _ = unenroll_cookie(&mut maps, netns_cookie);
+                    let _ = tc::detach_inbound(&layout, netns_cookie);
+                }
+                return Err(e);
+            }
+        }
+    } else {
+        tc::detach_inbound(&layout, netns_cookie)?;
+        Vec::new()
+    };
     Ok(Enrolled {
         netns_cookie,
         entries,
+        interfaces: attached,
     })
 }
 
@@ -139,9 +174,16 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
     Ok(was_enrolled)
 }
 
-/// Unenrols the netns at `netns_path`.
+/// Unenrols the netns at `netns_path`: its map entries and its tc links.
 pub fn unenroll(pin_root: &Path, netns_path: &Path) -> Result<bool, EnrollError> {
-    let mut maps = PolicyMaps::open(pin_root)?;
     let netns_cookie = Netns::open(netns_path)?.cookie()?;
-    Ok(unenroll_cookie(&mut maps, netns_cookie)?)
+    unenroll_by_cookie(pin_root, netns_cookie)
+}
+
+/// Unenrols by cookie, for callers whose netns may already be gone.
+pub fn unenroll_by_cookie(pin_root: &Path, netns_cookie: u64) -> Result<bool, EnrollError> {
+    let mut maps = PolicyMaps::open(pin_root)?;
+    let was = unenroll_cookie(&mut maps, netns_cookie)?;
+    tc::detach_inbound(&PinLayout::new(pin_root), netns_cookie)?;
+    Ok(was)
 }

@@ -117,4 +117,8 @@ pub enum EnrollError {
     Maps(#[from] MapsError),
     #[error(transparent)]
     Policy(#[from] PolicyError),
+    #[error(transparent)]
+    Pins(#[from] LoadError),
+    #[error("cannot create {path}: {source}")]
+    StateDir { path: PathBuf, source: io::Error },
 }

@@ -11,3 +11,4 @@ pub mod pins;
 pub mod policy;
 pub mod status;
 pub mod sys;
+pub mod tc;

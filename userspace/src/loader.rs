@@ -67,6 +67,9 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 6] = [
     },
 ];
 
+/// Programs attached per pod (inside its netns) rather than at the cgroup.
+pub const POD_PROGRAMS: [&str; 1] = [program_names::TC_INGRESS];
+
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub cgroup: PathBuf,
@@ -164,11 +167,27 @@ fn load_inner(
     let mut ebpf = loader.load(object).map_err(LoadError::Object)?;
 
     // Load every program before touching any link, so a verifier rejection changes nothing.
-    for spec in CGROUP_PROGRAMS {
+    for name in CGROUP_PROGRAMS.iter().map(|s| s.name).chain(POD_PROGRAMS) {
         let program = ebpf
-            .program_mut(spec.name)
-            .ok_or(LoadError::MissingProgram(spec.name))?;
-        load_program(program, spec.name)?;
+            .program_mut(name)
+            .ok_or(LoadError::MissingProgram(name))?;
+        load_program(program, name)?;
+    }
+    // Per-pod programs are pinned only; enrolment attaches them inside each pod netns.
+    for name in POD_PROGRAMS {
+        let program = ebpf.program_mut(name).ok_or(LoadError::MissingProgram(name))?;
+        let path = layout.program(name);
+        if path.exists() {
+            // TODO(upgrade): per-pod tc links keep the old program until re-enrolled.
+            fs::remove_file(&path).map_err(|source| LoadError::Unpin {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        program.pin(&path).map_err(|e| LoadError::Pin {
+            path,
+            source: std::io::Error::other(e),
+        })?;
     }
 
     for spec in CGROUP_PROGRAMS {

@@ -46,6 +46,9 @@ enum Command {
         /// The pod's netns, e.g. /run/netns/NAME or /proc/PID/ns/net.
         #[arg(long)]
         netns: PathBuf,
+        /// Interface for inbound capture (repeatable); every non-loopback one by default.
+        #[arg(long = "interface")]
+        interfaces: Vec<String>,
         #[command(flatten)]
         policy: PolicyArgs,
     },
@@ -189,14 +192,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Enroll {
             pin_root,
             netns,
+            interfaces,
             policy,
         } => {
             let policy = policy.resolve()?;
-            let enrolled = enroll::enroll(&pin_root, &netns, &policy)?;
+            let interfaces = (!interfaces.is_empty()).then_some(interfaces.as_slice());
+            let enrolled = enroll::enroll(&pin_root, &netns, &policy, interfaces)?;
             println!(
-                "enrolled {} (netns cookie {})",
+                "enrolled {} (netns cookie {}, inbound on [{}])",
                 netns.display(),
-                enrolled.netns_cookie
+                enrolled.netns_cookie,
+                enrolled.interfaces.join(",")
             );
         }
         Command::Unenroll { pin_root, netns } => {

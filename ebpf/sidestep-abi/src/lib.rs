@@ -32,6 +32,7 @@ pub mod program_names {
     pub const GETPEERNAME6: &str = "sidestep_getpeername6";
     pub const SOCK_OPS: &str = "sidestep_sockops";
     pub const GETSOCKOPT: &str = "sidestep_getsockopt";
+    pub const TC_INGRESS: &str = "sidestep_tc_ingress";
 }
 
 /// Default capacities. Userspace may override them at load time.

@@ -3,6 +3,7 @@
 #![no_main]
 
 mod connect;
+mod inbound;
 mod context;
 mod maps;
 mod peername;

@@ -1,0 +1,207 @@
+//! tc ingress on a pod's interface: inbound capture with bpf_sk_assign.
+//!
+//! A new connection (a SYN) to a captured port is handed to the proxy's inbound listener as it
+//! is: no NAT and no per-connection rewrite, so the proxy's accepted socket has the original
+//! destination as its local address (getsockname), the client keeps its real address, and the
+//! original destination is published for SO_ORIGINAL_DST. Every later packet of the connection
+//! finds its socket through the kernel's ordinary lookup, so only SYNs cost more than a parse.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_F_CURRENT_NETNS, bpf_sock, bpf_sock_tuple},
+    helpers::generated::{bpf_get_netns_cookie, bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    macros::classifier,
+    programs::TcContext,
+};
+use sidestep_abi::{
+    OrigDst, PodPolicy, TupleKey, flags, linux, port_list, redirect_kind, socket_side, v4_mapped,
+};
+
+use crate::{
+    maps::SIDESTEP_PEND,
+    policy::{self, port_listed},
+};
+
+/// Not ours: let the next program (TCX) or the default action (clsact) decide.
+const NEXT: i32 = -1;
+/// Delivered to the socket we assigned.
+const PASS: i32 = 0;
+/// Captured but no proxy listens: drop rather than deliver around the proxy (fail closed).
+const DROP: i32 = 2;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPV6_HLEN: usize = 40;
+const TCP_FLAG_SYN: u8 = 0x02;
+const TCP_FLAG_ACK: u8 = 0x10;
+const TCP_LISTEN: u32 = 10;
+const TCP_TIME_WAIT: u32 = 6;
+
+/// An inbound TCP segment, as much of it as the decision needs.
+struct Segment {
+    ipv6: bool,
+    src: [u32; 4],
+    dst: [u32; 4],
+    src_port_be: u16,
+    dst_port_be: u16,
+    tcp_flags: u8,
+}
+
+#[classifier]
+pub fn sidestep_tc_ingress(ctx: TcContext) -> i32 {
+    match parse(&ctx) {
+        // Only a SYN opens a connection; everything else already has its socket.
+        Some(seg) if seg.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN => {
+            on_syn(&ctx, &seg)
+        }
+        _ => NEXT,
+    }
+}
+
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Option<Segment> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    let (ipv6, src, dst, l4) = match ethertype {
+        ETH_P_IP => {
+            let ver_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
+            let protocol: u8 = ctx.load(ETH_HLEN + 9).ok()?;
+            if protocol != linux::IPPROTO_TCP as u8 {
+                return None;
+            }
+            let src: u32 = ctx.load(ETH_HLEN + 12).ok()?;
+            let dst: u32 = ctx.load(ETH_HLEN + 16).ok()?;
+            let ihl = ((ver_ihl & 0x0f) as usize) * 4;
+            (false, v4_mapped(src), v4_mapped(dst), ETH_HLEN + ihl)
+        }
+        ETH_P_IPV6 => {
+            // Extension headers before TCP are not followed; such SYNs are left alone.
+            let next: u8 = ctx.load(ETH_HLEN + 6).ok()?;
+            if next != linux::IPPROTO_TCP as u8 {
+                return None;
+            }
+            let src: [u32; 4] = ctx.load(ETH_HLEN + 8).ok()?;
+            let dst: [u32; 4] = ctx.load(ETH_HLEN + 24).ok()?;
+            (true, src, dst, ETH_HLEN + IPV6_HLEN)
+        }
+        _ => return None,
+    };
+    Some(Segment {
+        ipv6,
+        src,
+        dst,
+        src_port_be: ctx.load(l4).ok()?,
+        dst_port_be: ctx.load(l4 + 2).ok()?,
+        tcp_flags: ctx.load(l4 + 13).ok()?,
+    })
+}
+
+/// Whether istio-iptables' ISTIO_INBOUND chain would redirect this destination port.
+#[inline(always)]
+fn captures_port(netns_cookie: u64, pod: &PodPolicy, port: u16) -> bool {
+    if pod.flags & flags::INBOUND == 0
+        || port_listed(netns_cookie, port_list::INBOUND_EXCLUDE, port)
+    {
+        return false;
+    }
+    pod.flags & flags::INBOUND_ALL_PORTS != 0
+        || port_listed(netns_cookie, port_list::INBOUND_INCLUDE, port)
+}
+
+#[inline(always)]
+fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
+    // SAFETY: valid skb context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some(pod) = policy::pod_policy(netns_cookie) else {
+        return NEXT;
+    };
+    let dst_port = u16::from_be(seg.dst_port_be);
+    if !captures_port(netns_cookie, &pod, dst_port) {
+        policy::count(netns_cookie, |c| c.passed_inbound += 1);
+        return NEXT;
+    }
+    // A retransmitted SYN belongs to a handshake already under way: leave it to that socket.
+    let mut tuple = socket_tuple(seg, seg.dst_port_be);
+    if let Some(state) = lookup_state(ctx, &mut tuple, seg.ipv6)
+        && state != TCP_LISTEN
+        && state != TCP_TIME_WAIT
+    {
+        return NEXT;
+    }
+    let mut listener_tuple = socket_tuple(seg, pod.inbound_port.to_be());
+    let Some(listener) = lookup(ctx, &mut listener_tuple, seg.ipv6) else {
+        return DROP;
+    };
+    // SAFETY: `listener` is a referenced socket from skc_lookup; state is a sock_common field.
+    let is_listener = unsafe { (*listener).state } == TCP_LISTEN;
+    // SAFETY: the skb is at tc ingress and `listener` a referenced socket.
+    let assigned = is_listener && unsafe { bpf_sk_assign(ctx.as_ptr(), listener.cast(), 0) } == 0;
+    // SAFETY: releases the reference skc_lookup took.
+    unsafe { bpf_sk_release(listener.cast()) };
+    if !assigned {
+        return DROP;
+    }
+    let key = TupleKey {
+        netns_cookie,
+        client_addr: seg.src,
+        server_addr: seg.dst,
+        client_port: u16::from_be(seg.src_port_be),
+        server_port: dst_port,
+        _reserved: 0,
+    };
+    let orig = OrigDst {
+        addr: seg.dst,
+        port_be: seg.dst_port_be,
+        kind: redirect_kind::INBOUND,
+        family: if seg.ipv6 { linux::AF_INET6 } else { linux::AF_INET },
+        side: socket_side::ACCEPTED,
+    };
+    let _ = SIDESTEP_PEND.insert(key, orig, 0);
+    policy::count(netns_cookie, |c| c.redirected_inbound += 1);
+    PASS
+}
+
+#[inline(always)]
+fn socket_tuple(seg: &Segment, dst_port_be: u16) -> bpf_sock_tuple {
+    // SAFETY: plain data; zero is a valid tuple.
+    let mut t: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    if seg.ipv6 {
+        t.__bindgen_anon_1.ipv6.saddr = seg.src;
+        t.__bindgen_anon_1.ipv6.daddr = seg.dst;
+        t.__bindgen_anon_1.ipv6.sport = seg.src_port_be;
+        t.__bindgen_anon_1.ipv6.dport = dst_port_be;
+    } else {
+        t.__bindgen_anon_1.ipv4.saddr = seg.src[3];
+        t.__bindgen_anon_1.ipv4.daddr = seg.dst[3];
+        t.__bindgen_anon_1.ipv4.sport = seg.src_port_be;
+        t.__bindgen_anon_1.ipv4.dport = dst_port_be;
+    }
+    t
+}
+
+#[inline(always)]
+fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<*mut bpf_sock> {
+    let size = if ipv6 { 36 } else { 12 };
+    // SAFETY: `tuple` is a valid bpf_sock_tuple of at least `size` bytes.
+    let sk = unsafe {
+        bpf_skc_lookup_tcp(
+            ctx.as_ptr(),
+            core::ptr::from_mut(tuple),
+            size,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
+    };
+    (!sk.is_null()).then_some(sk)
+}
+
+/// The TCP state of the socket that owns `tuple`, if any.
+#[inline(always)]
+fn lookup_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<u32> {
+    let sk = lookup(ctx, tuple, ipv6)?;
+    // SAFETY: `sk` is a referenced sock_common; `state` is readable on it.
+    let state = unsafe { (*sk).state };
+    // SAFETY: releases the reference skc_lookup took.
+    unsafe { bpf_sk_release(sk.cast()) };
+    Some(state)
+}

@@ -1,0 +1,124 @@
+//! Per-pod inbound capture: the tc ingress program on the pod's interfaces, attached from inside
+//! the pod netns, with TCX links pinned at `<pin_root>/links/tc/<netns cookie>/<ifname>`.
+
+use std::{fs, path::PathBuf};
+
+use aya::programs::{SchedClassifier, TcAttachType, links::FdLink, tc};
+use sidestep_abi::program_names;
+
+use crate::{
+    error::{EnrollError, LoadError},
+    loader::detach_links_under,
+    netns::Netns,
+    pins::PinLayout,
+};
+
+pub fn pod_links_dir(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
+    layout.links_dir().join("tc").join(netns_cookie.to_string())
+}
+
+/// Interfaces of the current netns (the caller's thread), loopback excluded.
+fn interfaces_here() -> std::io::Result<Vec<String>> {
+    Ok(nix::net::if_::if_nameindex()?
+        .iter()
+        .map(|i| i.name().to_string_lossy().into_owned())
+        .filter(|n| n != "lo")
+        .collect())
+}
+
+/// Attaches inbound capture to `interfaces` (all but loopback when `None`) minus `excluded`.
+/// Returns the interfaces attached. Re-attaching an interface replaces its link.
+pub fn attach_inbound(
+    layout: &PinLayout,
+    netns: &Netns,
+    netns_cookie: u64,
+    interfaces: Option<&[String]>,
+    excluded: &[String],
+) -> Result<Vec<String>, EnrollError> {
+    let dir = pod_links_dir(layout, netns_cookie);
+    fs::create_dir_all(&dir).map_err(|source| EnrollError::StateDir {
+        path: dir.clone(),
+        source,
+    })?;
+    let prog_path = layout.program(program_names::TC_INGRESS);
+    let wanted = interfaces.map(<[String]>::to_vec);
+    let excluded = excluded.to_vec();
+    let dir_in = dir.clone();
+    let result = netns.run(move || {
+        let names = match wanted {
+            Some(w) => w,
+            None => interfaces_here()?,
+        };
+        let mut prog = SchedClassifier::from_pin(&prog_path).map_err(std::io::Error::other)?;
+        let mut attached = Vec::new();
+        for name in names.into_iter().filter(|n| !excluded.contains(n)) {
+            let pin = dir_in.join(&name);
+            if pin.exists() {
+                detach_links_under_file(&pin);
+            }
+            // Kernels before 6.6 have no TCX; aya then attaches through netlink and needs clsact.
+            if let Err(e) = tc::qdisc_add_clsact(&name)
+                && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
+                && !matches!(&e, tc::TcError::NetlinkError(_))
+            {
+                tracing::debug!(interface = %name, error = %e, "clsact");
+            }
+            let id = prog
+                .attach(&name, TcAttachType::Ingress)
+                .map_err(|e| std::io::Error::other(format!("attach tc ingress to {name}: {e}")))?;
+            let link = prog.take_link(id).map_err(std::io::Error::other)?;
+            match FdLink::try_from(link) {
+                Ok(fd_link) => {
+                    fd_link
+                        .pin(&pin)
+                        .map_err(|e| std::io::Error::other(format!("pin {}: {e}", pin.display())))?;
+                }
+                // A netlink filter outlives us on its own; it is removed with the interface.
+                Err(aya::programs::links::LinkError::InvalidLink) => {}
+                Err(e) => return Err(std::io::Error::other(e)),
+            }
+            attached.push(name);
+        }
+        Ok(attached)
+    });
+    match result {
+        Ok(attached) => Ok(attached),
+        Err(e) => {
+            let _ = detach_links_under(&dir);
+            let _ = fs::remove_dir(&dir);
+            Err(e.into())
+        }
+    }
+}
+
+fn detach_links_under_file(pin: &std::path::Path) {
+    if let Ok(link) = crate::sys::obj_get(pin) {
+        use std::os::fd::AsFd as _;
+        let _ = crate::sys::link_detach(link.as_fd());
+    }
+    let _ = fs::remove_file(pin);
+}
+
+/// Detaches every tc link of the pod. Works when the netns is already gone. Idempotent.
+pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadError> {
+    let dir = pod_links_dir(layout, netns_cookie);
+    detach_links_under(&dir)?;
+    match fs::remove_dir(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(LoadError::Unpin {
+            path: dir,
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The interfaces of a pod that currently have a pinned tc link.
+pub fn attached_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
+    fs::read_dir(pod_links_dir(layout, netns_cookie))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}

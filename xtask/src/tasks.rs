@@ -1,0 +1,94 @@
+//! Tasks that run what was built: tests, demo, benchmarks. Their exit code is
+//! the child's, so CI sees the real result.
+
+use std::process::{ExitCode, ExitStatus};
+
+use anyhow::{Context, Result, bail};
+
+use crate::cmd::{self, Cmd};
+use crate::{build, paths, setup};
+
+pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
+    // Checked first: without root, setup and a full build would be wasted.
+    if !cmd::is_root() {
+        bail!(
+            "the root tests need root: they create network namespaces and cgroups and attach BPF programs\n  \
+             fix: rerun as root, e.g. `sudo -E env PATH=\"$PATH\" cargo xtask test`"
+        );
+    }
+    setup::full(lint)?;
+    let object = build::workspace(false)?;
+    if lint {
+        build::workspace_cargo(&object)
+            .args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ])
+            .hint("fix the lints above, or run without --lint")
+            .run()
+            .context("linting the workspace")?;
+    }
+    let mut cargo = build::workspace_cargo(&object)
+        .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
+        .arg("test");
+    // cargo lets --workspace override -p, so `test -- -p foo` would
+    // silently run everything.
+    if !selects_package(cargo_args) {
+        cargo = cargo.arg("--workspace");
+    }
+    let status = cargo.args(cargo_args).status()?;
+    Ok(exit_code(status))
+}
+
+pub fn demo() -> Result<ExitCode> {
+    setup::full(false)?;
+    let object = build::workspace(false)?;
+    let status = Cmd::new(paths::bin_dir(false).join("sidestep"))
+        .env("SIDESTEP_BPF_OBJECT", &object)
+        .arg("demo")
+        .status()?;
+    Ok(exit_code(status))
+}
+
+pub fn bench(quick: bool) -> Result<ExitCode> {
+    setup::full(false)?;
+    let object = build::workspace(true)?;
+    let mut cargo = build::workspace_cargo(&object).env("SIDESTEP_BIN_DIR", paths::bin_dir(true));
+    if quick {
+        cargo = cargo.env("SIDESTEP_BENCH_QUICK", "1");
+    }
+    let status = cargo
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "sidestep-tests",
+            "--test",
+            "bench",
+        ])
+        .args(["--", "--ignored", "--nocapture"])
+        .status()?;
+    Ok(exit_code(status))
+}
+
+/// Whether cargo's own arguments (before a `--` for the test binaries)
+/// already pick packages.
+fn selects_package(cargo_args: &[String]) -> bool {
+    cargo_args.iter().take_while(|a| *a != "--").any(|a| {
+        a == "-p" || a == "--package" || a.starts_with("--package=") || a.starts_with("-p")
+    })
+}
+
+/// A child killed by a signal has no code; report it the way a shell does.
+fn exit_code(status: ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(1);
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
