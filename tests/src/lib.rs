@@ -1,1 +1,62 @@
+//! Test topology for sidestep: real network namespaces, a real CNI bridge, real HAProxy and
+//! nginx, all on one machine and all removed on drop (also when the test panics).
+//!
+//! ```no_run
+//! use sidestep_tests::{Node, NodeOptions, TestEnv, haproxy, nginx, http_get, url};
+//! # fn main() -> anyhow::Result<()> {
+//! let env = TestEnv::new("outbound")?;                 // cgroup + pin root + scratch dir
+//! let node = Node::new(&env, NodeOptions::dual_stack())?;
+//! let client = node.add_pod("client")?;
+//! let server = node.add_pod("server")?;
+//! let _web = nginx::Server::start(&env, &server, 80)?;
+//! let _proxy = haproxy::Sidecar::start(&env, &client, Default::default())?;
+//! let body = http_get(&env, &client, 1000, &url(server.ipv4.into(), 80, "/"))?;
+//! assert_eq!(body, nginx::body_for("server"));
+//! # Ok(()) }
+//! ```
+//!
+//! Declare the [`TestEnv`] first so it drops last: process guards, then the node (CNI DEL,
+//! netns, bridge), then the env (kills what is left in the cgroup, removes pins and cgroup).
+//!
+//! Everything needs root; tests call [`skip_unless_root`] first.
 
+pub mod cgroup;
+pub mod cni;
+pub mod env;
+pub mod haproxy;
+pub mod net;
+pub mod netns;
+pub mod nginx;
+pub mod node;
+pub mod pod;
+pub mod process;
+mod subnet;
+pub mod sweep;
+mod util;
+
+pub use cgroup::{Cgroup, cgroup2_mount};
+pub use env::TestEnv;
+pub use net::{http_get, listening_sockets, tcp_connect, url, wait_for_tcp, wait_listening};
+pub use node::{Node, NodeOptions};
+pub use pod::{Pod, PodOptions};
+pub use process::{ChildGuard, Spawn};
+
+/// Whether the effective UID is 0.
+pub fn running_as_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Prints a skip notice and returns true when not root. Use as
+/// `if skip_unless_root("my_test") { return; }`.
+pub fn skip_unless_root(test: &str) -> bool {
+    if running_as_root() {
+        return false;
+    }
+    eprintln!("skipping {test}: needs root (netns, cgroups, CNI plugins)");
+    true
+}
+
+/// Whether a network interface exists in the root netns.
+pub fn link_exists(name: &str) -> bool {
+    std::path::Path::new("/sys/class/net").join(name).exists()
+}
