@@ -162,14 +162,16 @@ impl IstioCapture {
     /// tables, in that order, exactly as istio produces it. Panics if the options are invalid
     /// (istio-cni would fail the ADD); use [`Self::try_iptables_restore_v4`] to get the error.
     pub fn iptables_restore_v4(&self) -> String {
-        self.try_iptables_restore_v4().expect("invalid IstioCapture options")
+        self.try_iptables_restore_v4()
+            .expect("invalid IstioCapture options")
     }
 
     /// `ip6tables-restore` input. It uses `::6` and `::1` and the IPv6 halves of the CIDR lists.
     /// When `ipv6` is false it is empty: istio builds no v6 rules and never runs
     /// `ip6tables-restore`, so IPv6 traffic is not captured at all.
     pub fn iptables_restore_v6(&self) -> String {
-        self.try_iptables_restore_v6().expect("invalid IstioCapture options")
+        self.try_iptables_restore_v6()
+            .expect("invalid IstioCapture options")
     }
 
     /// Commands that istio runs after iptables (`tproxy.ConfigureRoutes`), as argv vectors:
@@ -241,7 +243,10 @@ impl IstioCapture {
         let fam = if ipv6 { Family::V6 } else { Family::V4 };
         let rules = self.rules(fam, None).expect("invalid IstioCapture options");
         let mut out: Vec<String> = Vec::new();
-        for r in rules.iter().filter(|r| r.table == table && r.chain == chain) {
+        for r in rules
+            .iter()
+            .filter(|r| r.table == table && r.chain == chain)
+        {
             let text = r.args.join(" ");
             match r.insert_at {
                 Some(pos) => out.insert((pos as usize - 1).min(out.len()), text),
@@ -258,13 +263,14 @@ impl IstioCapture {
     }
 
     fn resolve(&self, dns_servers: Option<&[&str]>) -> Result<Resolved> {
-        let inbound_include = match self.include_inbound_ports.trim() {
-            "" => InboundInclude::Off,
-            "*" => InboundInclude::All,
-            list => InboundInclude::Ports(
-                ports(list).context("include_inbound_ports (traffic.sidecar.istio.io/includeInboundPorts)")?,
-            ),
-        };
+        let inbound_include =
+            match self.include_inbound_ports.trim() {
+                "" => InboundInclude::Off,
+                "*" => InboundInclude::All,
+                list => InboundInclude::Ports(ports(list).context(
+                    "include_inbound_ports (traffic.sidecar.istio.io/includeInboundPorts)",
+                )?),
+            };
         // istio-cni: user list, then ",15020,15021,15090", deduplicated in first-seen order.
         let mut inbound_exclude = ports(&self.exclude_inbound_ports)
             .context("exclude_inbound_ports (traffic.sidecar.istio.io/excludeInboundPorts)")?;
@@ -277,10 +283,12 @@ impl IstioCapture {
         let outbound_include = ports(&self.include_outbound_ports)
             .context("include_outbound_ports (traffic.sidecar.istio.io/includeOutboundPorts)")?;
 
-        let include = split_ranges(&self.include_outbound_ip_ranges)
-            .context("include_outbound_ip_ranges (traffic.sidecar.istio.io/includeOutboundIPRanges)")?;
-        let exclude = split_ranges(&self.exclude_outbound_ip_ranges)
-            .context("exclude_outbound_ip_ranges (traffic.sidecar.istio.io/excludeOutboundIPRanges)")?;
+        let include = split_ranges(&self.include_outbound_ip_ranges).context(
+            "include_outbound_ip_ranges (traffic.sidecar.istio.io/includeOutboundIPRanges)",
+        )?;
+        let exclude = split_ranges(&self.exclude_outbound_ip_ranges).context(
+            "exclude_outbound_ip_ranges (traffic.sidecar.istio.io/excludeOutboundIPRanges)",
+        )?;
         if exclude.wildcard {
             bail!("invalid value for OUTBOUND_IP_RANGES_EXCLUDE: \"*\"");
         }
@@ -290,9 +298,17 @@ impl IstioCapture {
         } else {
             match dns_servers {
                 // istio-cni: REDIRECT_DNS and CAPTURE_ALL_DNS.
-                None => Some(Dns { capture_all: true, v4: Vec::new(), v6: Vec::new() }),
+                None => Some(Dns {
+                    capture_all: true,
+                    v4: Vec::new(),
+                    v6: Vec::new(),
+                }),
                 Some(servers) => {
-                    let mut d = Dns { capture_all: false, v4: Vec::new(), v6: Vec::new() };
+                    let mut d = Dns {
+                        capture_all: false,
+                        v4: Vec::new(),
+                        v6: Vec::new(),
+                    };
                     for s in servers {
                         let ip: IpAddr = s
                             .trim()
@@ -356,14 +372,30 @@ impl IstioCapture {
 
         // Shared chains. The tunnel-port RETURN is created even when nothing jumps to
         // ISTIO_INBOUND in nat.
-        r.add(NAT, ISTIO_INBOUND, format!("-p tcp --dport {TUNNEL_PORT} -j RETURN"));
-        r.add(NAT, ISTIO_REDIRECT, format!("-p tcp -j REDIRECT --to-ports {out_port}"));
-        r.add(NAT, ISTIO_IN_REDIRECT, format!("-p tcp -j REDIRECT --to-ports {in_port}"));
+        r.add(
+            NAT,
+            ISTIO_INBOUND,
+            format!("-p tcp --dport {TUNNEL_PORT} -j RETURN"),
+        );
+        r.add(
+            NAT,
+            ISTIO_REDIRECT,
+            format!("-p tcp -j REDIRECT --to-ports {out_port}"),
+        );
+        r.add(
+            NAT,
+            ISTIO_IN_REDIRECT,
+            format!("-p tcp -j REDIRECT --to-ports {in_port}"),
+        );
 
         // Inbound.
         if c.inbound_include != InboundInclude::Off {
             let table = if tproxy {
-                r.add(MANGLE, ISTIO_DIVERT, format!("-j MARK --set-mark {TPROXY_MARK}"));
+                r.add(
+                    MANGLE,
+                    ISTIO_DIVERT,
+                    format!("-j MARK --set-mark {TPROXY_MARK}"),
+                );
                 r.add(MANGLE, ISTIO_DIVERT, "-j ACCEPT".into());
                 r.add(
                     MANGLE,
@@ -381,7 +413,11 @@ impl IstioCapture {
             match &c.inbound_include {
                 InboundInclude::All => {
                     for p in &c.inbound_exclude {
-                        r.add(table, ISTIO_INBOUND, format!("-p tcp --dport {p} -j RETURN"));
+                        r.add(
+                            table,
+                            ISTIO_INBOUND,
+                            format!("-p tcp --dport {p} -j RETURN"),
+                        );
                     }
                     if tproxy {
                         r.add(
@@ -407,9 +443,17 @@ impl IstioCapture {
                                      -j {ISTIO_DIVERT}"
                                 ),
                             );
-                            r.add(MANGLE, ISTIO_INBOUND, format!("-p tcp --dport {p} -j {ISTIO_TPROXY}"));
+                            r.add(
+                                MANGLE,
+                                ISTIO_INBOUND,
+                                format!("-p tcp --dport {p} -j {ISTIO_TPROXY}"),
+                            );
                         } else {
-                            r.add(NAT, ISTIO_INBOUND, format!("-p tcp --dport {p} -j {ISTIO_IN_REDIRECT}"));
+                            r.add(
+                                NAT,
+                                ISTIO_INBOUND,
+                                format!("-p tcp --dport {p} -j {ISTIO_IN_REDIRECT}"),
+                            );
                         }
                     }
                 }
@@ -423,7 +467,11 @@ impl IstioCapture {
             r.add(NAT, ISTIO_OUTPUT, format!("-p tcp --dport {p} -j RETURN"));
             r.add(NAT, ISTIO_OUTPUT, format!("-p udp --dport {p} -j RETURN"));
         }
-        r.add(NAT, ISTIO_OUTPUT, format!("-o lo -s {passthrough} -j RETURN"));
+        r.add(
+            NAT,
+            ISTIO_OUTPUT,
+            format!("-o lo -s {passthrough} -j RETURN"),
+        );
 
         let dns = c.dns.as_ref();
         // Proxy UID: hairpin (proxy -> own pod IP over lo goes to inbound), then loopback from
@@ -434,7 +482,11 @@ impl IstioCapture {
         } else {
             format!("! --dport {TUNNEL_PORT}")
         };
-        let lo_not_53 = if dns.is_some() { "-p tcp ! --dport 53 " } else { "" };
+        let lo_not_53 = if dns.is_some() {
+            "-p tcp ! --dport 53 "
+        } else {
+            ""
+        };
         r.add(
             NAT,
             ISTIO_OUTPUT,
@@ -443,9 +495,17 @@ impl IstioCapture {
             ),
         );
         if !c.loopback_included {
-            r.add(NAT, ISTIO_OUTPUT, format!("-o lo {lo_not_53}-m owner ! --uid-owner {uid} -j RETURN"));
+            r.add(
+                NAT,
+                ISTIO_OUTPUT,
+                format!("-o lo {lo_not_53}-m owner ! --uid-owner {uid} -j RETURN"),
+            );
         }
-        r.add(NAT, ISTIO_OUTPUT, format!("-m owner --uid-owner {uid} -j RETURN"));
+        r.add(
+            NAT,
+            ISTIO_OUTPUT,
+            format!("-m owner --uid-owner {uid} -j RETURN"),
+        );
         // The same for the proxy GID.
         r.add(
             NAT,
@@ -455,9 +515,17 @@ impl IstioCapture {
             ),
         );
         if !c.loopback_included {
-            r.add(NAT, ISTIO_OUTPUT, format!("-o lo {lo_not_53}-m owner ! --gid-owner {gid} -j RETURN"));
+            r.add(
+                NAT,
+                ISTIO_OUTPUT,
+                format!("-o lo {lo_not_53}-m owner ! --gid-owner {gid} -j RETURN"),
+            );
         }
-        r.add(NAT, ISTIO_OUTPUT, format!("-m owner --gid-owner {gid} -j RETURN"));
+        r.add(
+            NAT,
+            ISTIO_OUTPUT,
+            format!("-m owner --gid-owner {gid} -j RETURN"),
+        );
 
         if let Some(d) = dns {
             dns_rules(&mut r, d, fam, uid, gid, dns_port);
@@ -468,17 +536,31 @@ impl IstioCapture {
             r.add(NAT, ISTIO_OUTPUT, format!("-d {cidr} -j RETURN"));
         }
         for p in &c.outbound_include {
-            r.add(NAT, ISTIO_OUTPUT, format!("-p tcp --dport {p} -j {ISTIO_REDIRECT}"));
+            r.add(
+                NAT,
+                ISTIO_OUTPUT,
+                format!("-p tcp --dport {p} -j {ISTIO_REDIRECT}"),
+            );
         }
         if c.include.wildcard {
             r.add(NAT, ISTIO_OUTPUT, format!("-j {ISTIO_REDIRECT}"));
             for nic in &c.reroute_interfaces {
-                r.insert(NAT, "PREROUTING", 1, format!("-i {nic} -j {ISTIO_REDIRECT}"));
+                r.insert(
+                    NAT,
+                    "PREROUTING",
+                    1,
+                    format!("-i {nic} -j {ISTIO_REDIRECT}"),
+                );
             }
         } else {
             for cidr in c.include.family(fam) {
                 for nic in &c.reroute_interfaces {
-                    r.insert(NAT, "PREROUTING", 1, format!("-i {nic} -d {cidr} -j {ISTIO_REDIRECT}"));
+                    r.insert(
+                        NAT,
+                        "PREROUTING",
+                        1,
+                        format!("-i {nic} -d {cidr} -j {ISTIO_REDIRECT}"),
+                    );
                 }
                 r.add(NAT, ISTIO_OUTPUT, format!("-d {cidr} -j {ISTIO_REDIRECT}"));
             }
@@ -492,7 +574,11 @@ impl IstioCapture {
                 "PREROUTING",
                 format!("-p tcp -m mark --mark {TPROXY_MARK} -j CONNMARK --save-mark"),
             );
-            r.add(MANGLE, "OUTPUT", format!("-p tcp -o lo -m mark --mark {TPROXY_MARK} -j RETURN"));
+            r.add(
+                MANGLE,
+                "OUTPUT",
+                format!("-p tcp -o lo -m mark --mark {TPROXY_MARK} -j RETURN"),
+            );
             r.add(
                 MANGLE,
                 "OUTPUT",
@@ -512,8 +598,18 @@ impl IstioCapture {
                 "OUTPUT",
                 format!("-p tcp -m connmark --mark {TPROXY_MARK} -j CONNMARK --restore-mark"),
             );
-            r.insert(MANGLE, ISTIO_INBOUND, 1, format!("-p tcp -m mark --mark {TPROXY_MARK} -j RETURN"));
-            r.insert(MANGLE, ISTIO_INBOUND, 2, format!("-p tcp -s {passthrough} -i lo -j RETURN"));
+            r.insert(
+                MANGLE,
+                ISTIO_INBOUND,
+                1,
+                format!("-p tcp -m mark --mark {TPROXY_MARK} -j RETURN"),
+            );
+            r.insert(
+                MANGLE,
+                ISTIO_INBOUND,
+                2,
+                format!("-p tcp -s {passthrough} -i lo -j RETURN"),
+            );
             r.insert(
                 MANGLE,
                 ISTIO_INBOUND,
@@ -535,34 +631,74 @@ fn dns_rules(r: &mut Rules, d: &Dns, fam: Family, uid: u32, gid: u32, dns_port: 
     }
     // Note istio's spelling: `--to-ports` for TCP, `--to-port` for UDP.
     if d.capture_all {
-        r.add(NAT, ISTIO_OUTPUT_DNS, format!("-p tcp --dport 53 -j REDIRECT --to-ports {dns_port}"));
+        r.add(
+            NAT,
+            ISTIO_OUTPUT_DNS,
+            format!("-p tcp --dport 53 -j REDIRECT --to-ports {dns_port}"),
+        );
     } else {
         for s in servers {
-            r.add(NAT, ISTIO_OUTPUT_DNS, format!("-p tcp --dport 53 -d {s} -j REDIRECT --to-ports {dns_port}"));
+            r.add(
+                NAT,
+                ISTIO_OUTPUT_DNS,
+                format!("-p tcp --dport 53 -d {s} -j REDIRECT --to-ports {dns_port}"),
+            );
         }
     }
     if d.capture_all {
-        r.add(NAT, ISTIO_OUTPUT_DNS, format!("-p udp --dport 53 -j REDIRECT --to-port {dns_port}"));
+        r.add(
+            NAT,
+            ISTIO_OUTPUT_DNS,
+            format!("-p udp --dport 53 -j REDIRECT --to-port {dns_port}"),
+        );
     } else {
         for s in servers {
-            r.add(NAT, ISTIO_OUTPUT_DNS, format!("-p udp --dport 53 -d {s} -j REDIRECT --to-port {dns_port}"));
+            r.add(
+                NAT,
+                ISTIO_OUTPUT_DNS,
+                format!("-p udp --dport 53 -d {s} -j REDIRECT --to-port {dns_port}"),
+            );
         }
     }
     for owner in [format!("--uid-owner {uid}"), format!("--gid-owner {gid}")] {
-        r.add(RAW, ISTIO_OUTPUT_DNS, format!("-p udp --dport 53 -m owner {owner} -j CT --zone 1"));
-        r.add(RAW, ISTIO_OUTPUT_DNS, format!("-p udp --sport {dns_port} -m owner {owner} -j CT --zone 2"));
+        r.add(
+            RAW,
+            ISTIO_OUTPUT_DNS,
+            format!("-p udp --dport 53 -m owner {owner} -j CT --zone 1"),
+        );
+        r.add(
+            RAW,
+            ISTIO_OUTPUT_DNS,
+            format!("-p udp --sport {dns_port} -m owner {owner} -j CT --zone 2"),
+        );
     }
     if d.capture_all {
         r.add(RAW, "PREROUTING", format!("-j {ISTIO_INBOUND}"));
-        r.add(RAW, ISTIO_OUTPUT_DNS, "-p udp --dport 53 -j CT --zone 2".into());
-        r.add(RAW, ISTIO_INBOUND, "-p udp --sport 53 -j CT --zone 1".into());
+        r.add(
+            RAW,
+            ISTIO_OUTPUT_DNS,
+            "-p udp --dport 53 -j CT --zone 2".into(),
+        );
+        r.add(
+            RAW,
+            ISTIO_INBOUND,
+            "-p udp --sport 53 -j CT --zone 1".into(),
+        );
     } else {
         if !servers.is_empty() {
             r.add(RAW, "PREROUTING", format!("-j {ISTIO_INBOUND}"));
         }
         for s in servers {
-            r.add(RAW, ISTIO_OUTPUT_DNS, format!("-p udp --dport 53 -d {s} -j CT --zone 2"));
-            r.add(RAW, ISTIO_INBOUND, format!("-p udp --sport 53 -s {s} -j CT --zone 1"));
+            r.add(
+                RAW,
+                ISTIO_OUTPUT_DNS,
+                format!("-p udp --dport 53 -d {s} -j CT --zone 2"),
+            );
+            r.add(
+                RAW,
+                ISTIO_INBOUND,
+                format!("-p udp --sport 53 -s {s} -j CT --zone 1"),
+            );
         }
     }
 }
@@ -644,7 +780,12 @@ impl Rules {
 
     fn push(&mut self, table: &'static str, chain: &str, insert_at: Option<u32>, args: String) {
         let args = args.split_whitespace().map(String::from).collect();
-        self.0.push(Rule { table, chain: chain.to_string(), insert_at, args });
+        self.0.push(Rule {
+            table,
+            chain: chain.to_string(),
+            insert_at,
+            args,
+        });
     }
 }
 
@@ -699,7 +840,11 @@ fn render(rules: &[Rule]) -> String {
 
 /// Splits a comma list the way istio does (empty items dropped). Items are also trimmed.
 fn names(list: &str) -> Vec<String> {
-    list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
 }
 
 /// A port list. istio-cni rejects items that are not u16 (and iptables would reject `*`).
@@ -727,8 +872,12 @@ fn split_ranges(list: &str) -> Result<Ranges> {
         let (addr, bits) = item
             .split_once('/')
             .with_context(|| format!("CIDR {item:?} has no prefix length"))?;
-        let ip: IpAddr = addr.parse().with_context(|| format!("CIDR {item:?}: bad address"))?;
-        let bits: u8 = bits.parse().with_context(|| format!("CIDR {item:?}: bad prefix length"))?;
+        let ip: IpAddr = addr
+            .parse()
+            .with_context(|| format!("CIDR {item:?}: bad address"))?;
+        let bits: u8 = bits
+            .parse()
+            .with_context(|| format!("CIDR {item:?}: bad prefix length"))?;
         let max = if ip.is_ipv4() { 32 } else { 128 };
         if bits > max {
             bail!("CIDR {item:?}: prefix length above {max}");
@@ -774,7 +923,9 @@ mod tests {
     fn default_redirect_v4() {
         let c = IstioCapture::default();
         let out = c.iptables_restore_v4();
-        assert!(out.starts_with("* nat\n-N ISTIO_INBOUND\n-N ISTIO_REDIRECT\n-N ISTIO_IN_REDIRECT\n-N ISTIO_OUTPUT\n"));
+        assert!(out.starts_with(
+            "* nat\n-N ISTIO_INBOUND\n-N ISTIO_REDIRECT\n-N ISTIO_IN_REDIRECT\n-N ISTIO_OUTPUT\n"
+        ));
         assert!(out.ends_with("COMMIT\n"));
         assert_eq!(out.matches("COMMIT").count(), 1, "only nat by default");
         let nat = table(&out, "nat");
@@ -787,7 +938,10 @@ mod tests {
             "-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT",
         ];
         let idx: Vec<usize> = inbound.iter().map(|l| pos(&nat, l)).collect();
-        assert!(idx.windows(2).all(|w| w[0] < w[1]), "inbound order: {idx:?}");
+        assert!(
+            idx.windows(2).all(|w| w[0] < w[1]),
+            "inbound order: {idx:?}"
+        );
 
         assert_eq!(
             c.effective_chain(false, "nat", "ISTIO_OUTPUT"),
@@ -815,7 +969,10 @@ mod tests {
 
     #[test]
     fn exclude_inbound_ports_merge_and_dedup() {
-        let c = IstioCapture { exclude_inbound_ports: "8080,15021,9090".into(), ..Default::default() };
+        let c = IstioCapture {
+            exclude_inbound_ports: "8080,15021,9090".into(),
+            ..Default::default()
+        };
         assert_eq!(
             c.effective_chain(false, "nat", "ISTIO_INBOUND"),
             vec![
@@ -846,7 +1003,10 @@ mod tests {
             ]
         );
         // Empty include list: no PREROUTING jump, but the hairpin stays.
-        let off = IstioCapture { include_inbound_ports: String::new(), ..Default::default() };
+        let off = IstioCapture {
+            include_inbound_ports: String::new(),
+            ..Default::default()
+        };
         let out = off.iptables_restore_v4();
         assert!(!out.contains("-A PREROUTING"));
         assert!(out.contains("--uid-owner 1337 -j ISTIO_IN_REDIRECT"));
@@ -854,13 +1014,17 @@ mod tests {
 
     #[test]
     fn dns_capture_all() {
-        let c = IstioCapture { dns_capture: true, ..Default::default() };
+        let c = IstioCapture {
+            dns_capture: true,
+            ..Default::default()
+        };
         let out = c.iptables_restore_v4();
         let nat = table(&out, "nat");
         assert!(nat.contains(&"-N ISTIO_OUTPUT_DNS"));
         let hairpin = "-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp -m multiport ! --dports 53,15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT";
         let gid_hairpin = "-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT";
-        let lo_ret = "-A ISTIO_OUTPUT -o lo -p tcp ! --dport 53 -m owner ! --uid-owner 1337 -j RETURN";
+        let lo_ret =
+            "-A ISTIO_OUTPUT -o lo -p tcp ! --dport 53 -m owner ! --uid-owner 1337 -j RETURN";
         let gid_ret = "-A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN";
         let jump = "-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS";
         let tcp = "-A ISTIO_OUTPUT_DNS -p tcp --dport 53 -j REDIRECT --to-ports 15053";
@@ -894,24 +1058,44 @@ mod tests {
 
     #[test]
     fn dns_istio_init_servers() {
-        let c = IstioCapture { dns_capture: true, ipv6: true, ..Default::default() };
-        let v4 = c.iptables_restore_with_dns_servers(false, &["10.96.0.10"]).unwrap();
-        assert!(v4.contains("-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-port 15053"));
+        let c = IstioCapture {
+            dns_capture: true,
+            ipv6: true,
+            ..Default::default()
+        };
+        let v4 = c
+            .iptables_restore_with_dns_servers(false, &["10.96.0.10"])
+            .unwrap();
+        assert!(v4.contains(
+            "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-port 15053"
+        ));
         assert!(v4.contains("-A ISTIO_INBOUND -p udp --sport 53 -s 10.96.0.10/32 -j CT --zone 1"));
         // No v6 server: v6 nat has no DNS jump, raw keeps only the owner zones.
-        let v6 = c.iptables_restore_with_dns_servers(true, &["10.96.0.10"]).unwrap();
+        let v6 = c
+            .iptables_restore_with_dns_servers(true, &["10.96.0.10"])
+            .unwrap();
         assert!(!v6.contains("-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS"));
         assert!(v6.contains("-A OUTPUT -j ISTIO_OUTPUT_DNS"));
         assert!(!v6.contains("-A PREROUTING -j ISTIO_INBOUND"));
         assert!(v6.contains("--dports 53,15008"));
         // No servers at all: DNS capture is off.
         let none = c.iptables_restore_with_dns_servers(false, &[]).unwrap();
-        assert_eq!(none, IstioCapture { ipv6: true, ..Default::default() }.iptables_restore_v4());
+        assert_eq!(
+            none,
+            IstioCapture {
+                ipv6: true,
+                ..Default::default()
+            }
+            .iptables_restore_v4()
+        );
     }
 
     #[test]
     fn tproxy_mangle() {
-        let c = IstioCapture { mode: Mode::Tproxy, ..Default::default() };
+        let c = IstioCapture {
+            mode: Mode::Tproxy,
+            ..Default::default()
+        };
         let out = c.iptables_restore_v4();
         assert!(out.starts_with("* mangle\n-N ISTIO_DIVERT\n-N ISTIO_TPROXY\n-N ISTIO_INBOUND\n"));
         let mangle = table(&out, "mangle");
@@ -948,12 +1132,17 @@ mod tests {
             c.route_commands(),
             vec![
                 vec!["ip", "rule", "add", "fwmark", "1337", "lookup", "133"],
-                vec!["ip", "route", "add", "local", "default", "dev", "lo", "table", "133"],
+                vec![
+                    "ip", "route", "add", "local", "default", "dev", "lo", "table", "133"
+                ],
             ]
         );
         let v6 = IstioCapture { ipv6: true, ..c };
         assert_eq!(v6.route_commands().len(), 5);
-        assert!(v6.iptables_restore_v6().contains("-I ISTIO_INBOUND 2 -p tcp -s ::6/128 -i lo -j RETURN"));
+        assert!(
+            v6.iptables_restore_v6()
+                .contains("-I ISTIO_INBOUND 2 -p tcp -s ::6/128 -i lo -j RETURN")
+        );
     }
 
     #[test]
@@ -984,14 +1173,24 @@ mod tests {
                 "-p tcp -j ISTIO_INBOUND",
             ]
         );
-        assert_eq!(c.route_commands(), vec![vec!["ip", "-6", "addr", "add", "::6/128", "dev", "lo"]]);
+        assert_eq!(
+            c.route_commands(),
+            vec![vec!["ip", "-6", "addr", "add", "::6/128", "dev", "lo"]]
+        );
     }
 
     #[test]
     fn loopback_include_drops_lo_return() {
-        let c = IstioCapture { include_outbound_ip_ranges: "127.0.0.0/8".into(), ..Default::default() };
+        let c = IstioCapture {
+            include_outbound_ip_ranges: "127.0.0.0/8".into(),
+            ..Default::default()
+        };
         let chain = c.effective_chain(false, "nat", "ISTIO_OUTPUT");
-        assert!(!chain.iter().any(|l| l.contains("! --uid-owner") || l.contains("! --gid-owner")));
+        assert!(
+            !chain
+                .iter()
+                .any(|l| l.contains("! --uid-owner") || l.contains("! --gid-owner"))
+        );
         assert_eq!(chain.last().unwrap(), "-d 127.0.0.0/8 -j ISTIO_REDIRECT");
     }
 
@@ -1005,14 +1204,23 @@ mod tests {
             ..Default::default()
         };
         let chain = c.effective_chain(false, "nat", "ISTIO_OUTPUT");
-        assert_eq!(&chain[..4], [
-            "-p tcp --dport 5555 -j RETURN",
-            "-p udp --dport 5555 -j RETURN",
-            "-p tcp --dport 6666 -j RETURN",
-            "-p udp --dport 6666 -j RETURN",
-        ]);
-        assert_eq!(chain.last().unwrap(), "-p tcp --dport 32000 -j ISTIO_REDIRECT");
-        assert_eq!(c.effective_chain(false, "nat", "OUTPUT"), vec!["-o eth9 -j RETURN", "-j ISTIO_OUTPUT"]);
+        assert_eq!(
+            &chain[..4],
+            [
+                "-p tcp --dport 5555 -j RETURN",
+                "-p udp --dport 5555 -j RETURN",
+                "-p tcp --dport 6666 -j RETURN",
+                "-p udp --dport 6666 -j RETURN",
+            ]
+        );
+        assert_eq!(
+            chain.last().unwrap(),
+            "-p tcp --dport 32000 -j ISTIO_REDIRECT"
+        );
+        assert_eq!(
+            c.effective_chain(false, "nat", "OUTPUT"),
+            vec!["-o eth9 -j RETURN", "-j ISTIO_OUTPUT"]
+        );
         let nat = lines(&c.iptables_restore_v4()).len();
         assert!(nat > 10);
     }
@@ -1020,10 +1228,22 @@ mod tests {
     #[test]
     fn invalid_options() {
         let bad = |c: IstioCapture| c.validate().is_err();
-        assert!(bad(IstioCapture { exclude_outbound_ip_ranges: "*".into(), ..Default::default() }));
-        assert!(bad(IstioCapture { include_outbound_ip_ranges: "10.0.0.0".into(), ..Default::default() }));
-        assert!(bad(IstioCapture { include_inbound_ports: "http".into(), ..Default::default() }));
-        assert!(bad(IstioCapture { exclude_outbound_ports: "70000".into(), ..Default::default() }));
+        assert!(bad(IstioCapture {
+            exclude_outbound_ip_ranges: "*".into(),
+            ..Default::default()
+        }));
+        assert!(bad(IstioCapture {
+            include_outbound_ip_ranges: "10.0.0.0".into(),
+            ..Default::default()
+        }));
+        assert!(bad(IstioCapture {
+            include_inbound_ports: "http".into(),
+            ..Default::default()
+        }));
+        assert!(bad(IstioCapture {
+            exclude_outbound_ports: "70000".into(),
+            ..Default::default()
+        }));
         assert!(IstioCapture::default().validate().is_ok());
     }
 }

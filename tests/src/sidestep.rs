@@ -1,0 +1,115 @@
+//! Driving the real `sidestep` binary from tests: load into the test's cgroup and pin root,
+//! enrol pods, read status, and unload on drop.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::{env::TestEnv, pod::Pod};
+
+/// Where the workspace's binaries are: `SIDESTEP_BIN_DIR` (set by `cargo xtask test`) or
+/// `target/debug`.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("SIDESTEP_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug"))
+}
+
+pub fn sidestep_bin() -> PathBuf {
+    bin_dir().join("sidestep")
+}
+
+/// Runs `sidestep ARGS`; fails with its stderr when it exits non-zero.
+pub fn sidestep(args: &[&str]) -> Result<Output> {
+    let out = Command::new(sidestep_bin())
+        .args(args)
+        .output()
+        .with_context(|| format!("running {} {args:?}", sidestep_bin().display()))?;
+    if !out.status.success() {
+        bail!(
+            "sidestep {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out)
+}
+
+/// sidestep loaded into the test's cgroup and pin root; unloaded on drop.
+pub struct Loaded {
+    pin_root: PathBuf,
+}
+
+impl Loaded {
+    pub fn load(env: &TestEnv) -> Result<Self> {
+        let pin_root = env.pin_root().to_path_buf();
+        sidestep(&[
+            "load",
+            "--cgroup",
+            &env.cgroup_path().display().to_string(),
+            "--pin-root",
+            &pin_root.display().to_string(),
+        ])?;
+        Ok(Self { pin_root })
+    }
+
+    pub fn pin_root(&self) -> &Path {
+        &self.pin_root
+    }
+
+    fn root_arg(&self) -> String {
+        self.pin_root.display().to_string()
+    }
+
+    /// Enrols `pod` with its own IPs plus `extra` policy flags.
+    pub fn enroll(&self, pod: &Pod, extra: &[&str]) -> Result<()> {
+        let netns = pod.netns_path.display().to_string();
+        let root = self.root_arg();
+        let ips: Vec<String> = pod.ips().iter().map(ToString::to_string).collect();
+        let mut args = vec!["enroll", "--pin-root", &root, "--netns", &netns];
+        for ip in &ips {
+            args.extend(["--pod-ip", ip.as_str()]);
+        }
+        args.extend(extra);
+        sidestep(&args).map(drop)
+    }
+
+    pub fn unenroll(&self, pod: &Pod) -> Result<()> {
+        let netns = pod.netns_path.display().to_string();
+        sidestep(&["unenroll", "--pin-root", &self.root_arg(), "--netns", &netns]).map(drop)
+    }
+
+    pub fn status(&self) -> Result<Value> {
+        let out = sidestep(&["status", "--json", "--pin-root", &self.root_arg()])?;
+        serde_json::from_slice(&out.stdout).context("parsing sidestep status --json")
+    }
+
+    /// The counters of the pod with this netns cookie, or None when it is not enrolled.
+    pub fn counters(&self, cookie: u64) -> Result<Option<Value>> {
+        let status = self.status()?;
+        Ok(status["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["netns_cookie"].as_u64() == Some(cookie))
+            .map(|p| p["counters"].clone()))
+    }
+
+    pub fn unload(self) -> Result<()> {
+        let root = self.root_arg();
+        std::mem::forget(self);
+        sidestep(&["unload", "--pin-root", &root]).map(drop)
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        if let Err(e) = sidestep(&["unload", "--pin-root", &self.root_arg()]) {
+            eprintln!("sidestep unload in drop: {e:#}");
+        }
+    }
+}
