@@ -110,6 +110,11 @@ pub fn write_entries(
                 added_cidrs.push((*bits, *data));
             }
         }
+        for addr in &entries.addresses {
+            maps.addresses
+                .insert(addr, netns_cookie, 0)
+                .map_err(|e| classify(map_names::POD_ADDRESSES, 0, e))?;
+        }
         if previous.is_none() {
             maps.zero_counters(netns_cookie)?;
         }
@@ -126,6 +131,7 @@ pub fn write_entries(
         }
         if previous.is_none() {
             let _ = maps.counters.remove(&netns_cookie);
+            remove_addresses(maps, netns_cookie, &[]);
         }
         return Err(e);
     }
@@ -136,7 +142,22 @@ pub fn write_entries(
     for (bits, data) in old_cidrs.iter().filter(|c| !entries.cidrs.contains(c)) {
         let _ = maps.cidrs.remove(&Key::new(*bits, *data));
     }
+    remove_addresses(maps, netns_cookie, &entries.addresses);
     Ok(())
+}
+
+/// Removes the cookie's addresses except `keep`.
+fn remove_addresses(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[[u32; 4]]) {
+    let stale: Vec<[u32; 4]> = maps
+        .addresses
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(addr, cookie)| *cookie == netns_cookie && !keep.contains(addr))
+        .map(|(addr, _)| addr)
+        .collect();
+    for addr in stale {
+        let _ = maps.addresses.remove(&addr);
+    }
 }
 
 fn port_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<PortKey> {
@@ -171,6 +192,7 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
         let _ = maps.cidrs.remove(&Key::new(bits, data));
     }
     let _ = maps.counters.remove(&netns_cookie);
+    remove_addresses(maps, netns_cookie, &[]);
     Ok(was_enrolled)
 }
 

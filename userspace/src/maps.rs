@@ -12,12 +12,14 @@ pub type PodMap = HashMap<MapData, u64, PodPolicy>;
 pub type PortMap = HashMap<MapData, PortKey, u8>;
 pub type CidrMap = LpmTrie<MapData, CidrKey, u8>;
 pub type CounterMap = PerCpuHashMap<MapData, u64, Counters>;
+pub type AddressMap = HashMap<MapData, [u32; 4], u64>;
 
 pub struct PolicyMaps {
     pub pods: PodMap,
     pub ports: PortMap,
     pub cidrs: CidrMap,
     pub counters: CounterMap,
+    pub addresses: AddressMap,
     pub pod_capacity: u32,
 }
 
@@ -53,6 +55,7 @@ impl PolicyMaps {
             ports: typed(&layout, map_names::PORT_RULES)?,
             cidrs: typed(&layout, map_names::CIDR_RULES)?,
             counters: typed(&layout, map_names::COUNTERS)?,
+            addresses: typed(&layout, map_names::POD_ADDRESSES)?,
             pod_capacity,
         })
     }

@@ -241,6 +241,18 @@ pub struct MapEntries {
     pub ports: Vec<PortKey>,
     /// (prefix length in bits, key data)
     pub cidrs: Vec<(u32, CidrKey)>,
+    /// The pod's addresses as IPv6 words in network byte order (IPv4 mapped), for tc ingress.
+    pub addresses: Vec<[u32; 4]>,
+}
+
+/// An address as the programs see it: IPv6 words in network byte order, IPv4 mapped.
+pub fn address_words(ip: &IpAddr) -> [u32; 4] {
+    let v6 = match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => *v6,
+    };
+    let o = v6.octets();
+    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
 }
 
 fn cidr_entry(netns_cookie: u64, list: u32, net: &IpNet) -> (u32, CidrKey) {
@@ -408,6 +420,7 @@ impl Policy {
             },
             ports,
             cidrs,
+            addresses: self.pod_ips.iter().map(address_words).collect(),
         }
     }
 }

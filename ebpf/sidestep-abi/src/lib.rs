@@ -14,7 +14,9 @@ pub mod map_names {
     pub const COUNTERS: &str = "SIDESTEP_STATS";
     pub const SOCKET_ORIG_DST: &str = "SIDESTEP_ORIG";
     pub const PENDING_ORIG_DST: &str = "SIDESTEP_PEND";
-    pub const ALL: [&str; 6] = [
+    pub const POD_ADDRESSES: &str = "SIDESTEP_ADDRS";
+    pub const ALL: [&str; 7] = [
+        POD_ADDRESSES,
         POD_POLICY,
         PORT_RULES,
         CIDR_RULES,
@@ -38,6 +40,8 @@ pub mod program_names {
 /// Default capacities. Userspace may override them at load time.
 pub mod capacity {
     pub const PODS: u32 = 4096;
+    /// Pod addresses (dual-stack pods have two).
+    pub const ADDRESSES: u32 = 4 * PODS;
     pub const PORT_RULES: u32 = 65536;
     pub const CIDR_RULES: u32 = 65536;
     /// Tuples between the client's SYN and the proxy's accept. Entries live for one handshake.

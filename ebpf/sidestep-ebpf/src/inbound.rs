@@ -18,7 +18,7 @@ use sidestep_abi::{
 };
 
 use crate::{
-    maps::SIDESTEP_PEND,
+    maps::{SIDESTEP_ADDRS, SIDESTEP_PEND},
     policy::{self, port_listed},
 };
 
@@ -108,10 +108,26 @@ fn captures_port(netns_cookie: u64, pod: &PodPolicy, port: u16) -> bool {
         || port_listed(netns_cookie, port_list::INBOUND_INCLUDE, port)
 }
 
+/// The pod this segment is for. bpf_get_netns_cookie on an skb prefers the netns of `skb->sk`,
+/// which for traffic between pods on one node is the *sender's*; so the destination address
+/// decides, and the helper is used only for an skb that carries no socket (from off the node).
+#[inline(always)]
+fn destination_pod(ctx: &TcContext, seg: &Segment) -> Option<u64> {
+    // SAFETY: the value is copied out at once.
+    if let Some(cookie) = unsafe { SIDESTEP_ADDRS.get(seg.dst) } {
+        return Some(*cookie);
+    }
+    // SAFETY: `sk` is a readable pointer field of __sk_buff.
+    let sk = unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk };
+    // SAFETY: valid skb context.
+    sk.is_null().then(|| unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
+}
+
 #[inline(always)]
 fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
-    // SAFETY: valid skb context.
-    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some(netns_cookie) = destination_pod(ctx, seg) else {
+        return NEXT;
+    };
     let Some(pod) = policy::pod_policy(netns_cookie) else {
         return NEXT;
     };

@@ -10,6 +10,12 @@ use sidestep_abi::{CidrKey, Counters, OrigDst, PodPolicy, PortKey, TupleKey, cap
 #[btf_map]
 pub static SIDESTEP_POD: HashMap<u64, PodPolicy, { capacity::PODS as usize }> = HashMap::new();
 
+/// Pod address (IPv6 words, IPv4 mapped) -> netns cookie, for tc ingress, which cannot trust the
+/// netns cookie of an skb that still carries its sender's socket.
+#[btf_map]
+pub static SIDESTEP_ADDRS: HashMap<[u32; 4], u64, { capacity::ADDRESSES as usize }> =
+    HashMap::new();
+
 #[btf_map]
 pub static SIDESTEP_PORTS: HashMap<PortKey, u8, { capacity::PORT_RULES as usize }> =
     HashMap::new();

@@ -1,0 +1,116 @@
+//! Inbound capture with tc ingress + bpf_sk_assign, cross-pod through HAProxy sidecars on both
+//! pods. Needs root; skips otherwise.
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::{Context, Result, ensure};
+use serde_json::Value;
+use sidestep_tests::{
+    Node, NodeOptions, Pod, Spawn, TestEnv, haproxy, http_get, nginx, sidestep::Loaded,
+    skip_unless_root, url,
+};
+
+const APP_UID: u32 = 1000;
+const PROXY_UID: u32 = 1337;
+
+fn probe() -> &'static str {
+    env!("CARGO_BIN_EXE_probe")
+}
+
+fn counter(loaded: &Loaded, pod: &Pod, name: &str) -> Result<u64> {
+    let counters = loaded
+        .counters(pod.netns_cookie()?)?
+        .with_context(|| format!("pod {} is not enrolled", pod.name))?;
+    counters[name].as_u64().context("counter missing")
+}
+
+#[test]
+fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
+    if skip_unless_root("inbound_through_both_sidecars_v4_and_v6") {
+        return Ok(());
+    }
+    let env = TestEnv::new("inbound")?;
+    let node = Node::new(&env, NodeOptions::dual_stack())?;
+    let client = node.add_pod("client")?;
+    let server = node.add_pod("server")?;
+    let outsider = node.add_pod("outsider")?;
+    let web = nginx::Server::start(&env, &server, 80)?;
+    let loaded = Loaded::load(&env)?;
+    loaded.enroll(&client, &[])?;
+    loaded.enroll(&server, &[])?;
+    let body = nginx::body_for("server");
+
+    // The server is captured inbound and its sidecar is not up yet: the SYN is dropped, so even
+    // an unmeshed client cannot reach the app around the proxy (fail closed).
+    let v4 = url(server.ipv4.into(), 80, "/");
+    ensure!(http_get(&env, &outsider, APP_UID, &v4).is_err(), "reached the app around the proxy");
+
+    let _client_proxy = haproxy::Sidecar::start(&env, &client, Default::default())?;
+    let server_proxy = haproxy::Sidecar::start(&env, &server, Default::default())?;
+
+    // Mesh to mesh, IPv4: client app -> client HAProxy -> server HAProxy (sk_assign) -> nginx.
+    ensure!(http_get(&env, &client, APP_UID, &v4)? == body);
+    // The server's proxy logged the original destination it forwarded to.
+    server_proxy.wait_log(&[&format!("{}:80", server.ipv4)], Duration::from_secs(5))?;
+    // nginx sees Istio's inbound passthrough source.
+    let log = web.access_log();
+    ensure!(log.contains("127.0.0.6"), "nginx log: {log}");
+    ensure!(counter(&loaded, &server, "redirected_inbound")? >= 1);
+
+    // Unmeshed client to meshed server, IPv6: HAProxy takes the destination from getsockname,
+    // which sk_assign leaves as the original destination.
+    let v6 = url(server.ipv6.context("no IPv6")?.into(), 80, "/");
+    ensure!(http_get(&env, &outsider, APP_UID, &v6)? == body, "IPv6 inbound failed");
+
+    // Excluded inbound ports are not captured: 15020 reaches a plain listener directly.
+    let _metrics = server.spawn(
+        &env,
+        Spawn::new(&[probe(), "proxy", "0.0.0.0:15020", "-", "--no-forward"]).user(APP_UID, APP_UID),
+    )?;
+    std::thread::sleep(Duration::from_millis(200));
+    let out = outsider.run(
+        &env,
+        APP_UID,
+        &[probe(), "connect", &SocketAddr::new(server.ipv4.into(), 15020).to_string()],
+    )?;
+    let seen: Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(seen["peer"] == format!("{}:15020", server.ipv4), "{seen}");
+    ensure!(counter(&loaded, &server, "passed_inbound")? >= 1);
+
+    // The proxy's accepted socket sees the original destination in SO_ORIGINAL_DST and
+    // getsockname, and the real client as its peer.
+    let observer = server.spawn(
+        &env,
+        Spawn::new(&[probe(), "proxy", "0.0.0.0:15007", "-", "--no-forward"])
+            .user(PROXY_UID, PROXY_UID),
+    )?;
+    loaded.enroll(&server, &["--inbound-port", "15007"])?;
+    std::thread::sleep(Duration::from_millis(200));
+    let target = SocketAddr::new(server.ipv4.into(), 8080);
+    outsider.run(&env, APP_UID, &[probe(), "connect", &target.to_string()])?;
+    std::thread::sleep(Duration::from_millis(200));
+    let line: Value = serde_json::from_str(
+        observer
+            .stdout()
+            .lines()
+            .next()
+            .context("the inbound listener saw nothing")?,
+    )?;
+    ensure!(line["local"] == target.to_string(), "getsockname: {line}");
+    ensure!(line["orig_v4"]["addr"] == target.to_string(), "SO_ORIGINAL_DST: {line}");
+    ensure!(
+        line["peer"].as_str().unwrap_or("").starts_with(&outsider.ipv4.to_string()),
+        "peer: {line}"
+    );
+
+    // Unenrolled, the server is reachable directly again and its tc link is gone.
+    loaded.unenroll(&server)?;
+    let status = loaded.status()?;
+    ensure!(status["pods"].as_array().map(Vec::len) == Some(1), "{status}");
+    let links = env.pin_root().join("links/tc");
+    ensure!(
+        std::fs::read_dir(&links).map(|d| d.count()).unwrap_or(0) == 1,
+        "tc links left for the server"
+    );
+    Ok(())
+}
