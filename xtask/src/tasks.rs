@@ -5,7 +5,7 @@ use std::process::{ExitCode, ExitStatus};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd::{self, Cmd};
+use crate::cmd;
 use crate::{build, paths, setup};
 
 pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
@@ -47,9 +47,10 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
 pub fn demo() -> Result<ExitCode> {
     setup::full(false)?;
     let object = build::workspace(false)?;
-    let status = Cmd::new(paths::bin_dir(false).join("sidestep"))
-        .env("SIDESTEP_BPF_OBJECT", &object)
-        .arg("demo")
+    // The demo drives a local node with the test topology, so it lives in the tests crate.
+    let status = build::workspace_cargo(&object)
+        .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
+        .args(["run", "--quiet", "-p", "sidestep-tests", "--bin", "sidestep-demo"])
         .status()?;
     Ok(exit_code(status))
 }
