@@ -13,6 +13,8 @@ use sidestep_tests::{
 
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
+/// connect4/6, getpeername4/6, sendmsg4/6, recvmsg4/6, sockops, getsockopt.
+const CGROUP_PROGRAMS: usize = 10;
 
 fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")
@@ -56,7 +58,7 @@ fn outbound_capture_end_to_end() -> Result<()> {
     let loaded = Loaded::load(&env)?;
     // The loader exited and capture is in place: nothing of ours runs, yet the links are attached.
     let status = loaded.status()?;
-    ensure!(status["attachments"].as_array().map(Vec::len) == Some(6), "{status}");
+    ensure!(status["attachments"].as_array().map(Vec::len) == Some(CGROUP_PROGRAMS), "{status}");
     loaded.enroll(&client, &[])?;
 
     // Without a sidecar, a captured connect has nowhere to go: that proves capture.
@@ -191,7 +193,7 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
         .iter()
         .filter_map(|p| p["id"].as_u64())
         .collect();
-    ensure!(prog_ids.len() == 6, "{status}");
+    ensure!(prog_ids.len() == CGROUP_PROGRAMS, "{status}");
     let cgroup = env.cgroup_path().display().to_string();
     let shown = std::process::Command::new("bpftool")
         .args(["cgroup", "show", &cgroup])
@@ -210,7 +212,7 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
     ])?;
     ensure!(String::from_utf8_lossy(&again.stdout).contains("upgraded"));
     let status = loaded.status()?;
-    ensure!(status["attachments"].as_array().map(Vec::len) == Some(6), "{status}");
+    ensure!(status["attachments"].as_array().map(Vec::len) == Some(CGROUP_PROGRAMS), "{status}");
 
     loaded.unload()?;
     ensure!(!env.pin_root().exists(), "pin root left behind");

@@ -34,7 +34,7 @@ pub struct CgroupProgram {
     pub attach_type: bpf_attach_type,
 }
 
-pub const CGROUP_PROGRAMS: [CgroupProgram; 6] = [
+pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
     CgroupProgram {
         name: program_names::CONNECT4,
         attach_point: "connect4",
@@ -54,6 +54,26 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 6] = [
         name: program_names::GETPEERNAME6,
         attach_point: "getpeername6",
         attach_type: bpf_attach_type::BPF_CGROUP_INET6_GETPEERNAME,
+    },
+    CgroupProgram {
+        name: program_names::SENDMSG4,
+        attach_point: "sendmsg4",
+        attach_type: bpf_attach_type::BPF_CGROUP_UDP4_SENDMSG,
+    },
+    CgroupProgram {
+        name: program_names::SENDMSG6,
+        attach_point: "sendmsg6",
+        attach_type: bpf_attach_type::BPF_CGROUP_UDP6_SENDMSG,
+    },
+    CgroupProgram {
+        name: program_names::RECVMSG4,
+        attach_point: "recvmsg4",
+        attach_type: bpf_attach_type::BPF_CGROUP_UDP4_RECVMSG,
+    },
+    CgroupProgram {
+        name: program_names::RECVMSG6,
+        attach_point: "recvmsg6",
+        attach_type: bpf_attach_type::BPF_CGROUP_UDP6_RECVMSG,
     },
     CgroupProgram {
         name: program_names::SOCK_OPS,

@@ -35,6 +35,10 @@ pub mod program_names {
     pub const SOCK_OPS: &str = "sidestep_sockops";
     pub const GETSOCKOPT: &str = "sidestep_getsockopt";
     pub const TC_INGRESS: &str = "sidestep_tc_ingress";
+    pub const SENDMSG4: &str = "sidestep_sendmsg4";
+    pub const SENDMSG6: &str = "sidestep_sendmsg6";
+    pub const RECVMSG4: &str = "sidestep_recvmsg4";
+    pub const RECVMSG6: &str = "sidestep_recvmsg6";
 }
 
 /// Default capacities. Userspace may override them at load time.

@@ -5,6 +5,7 @@
 mod connect;
 mod inbound;
 mod context;
+mod dns;
 mod maps;
 mod peername;
 mod policy;

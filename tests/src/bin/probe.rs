@@ -3,6 +3,8 @@
 //!
 //! ```text
 //! probe connect ADDR [--http]        connect, print {"peer","local"[,"status"]}
+//! probe udp-serve ADDR               answer every datagram with "reply to <sender>"
+//! probe udp-query ADDR [--connect]   send one datagram, print {"from","reply"}
 //! probe proxy ADDR REPORT [--no-forward]
 //!     accept forever; per connection append {"peer","local","orig_v4","orig_v6"} to REPORT
 //!     (`-` for stdout) and
@@ -139,6 +141,47 @@ fn proxy(addr: SocketAddr, report: &str, forward: bool) -> i32 {
     0
 }
 
+fn udp_serve(addr: SocketAddr) -> i32 {
+    let Ok(sock) = std::net::UdpSocket::bind(addr) else {
+        eprintln!("probe: bind {addr}");
+        return 1;
+    };
+    let mut buf = [0u8; 512];
+    while let Ok((_, from)) = sock.recv_from(&mut buf) {
+        let _ = sock.send_to(format!("reply to {from}").as_bytes(), from);
+    }
+    0
+}
+
+fn udp_query(addr: SocketAddr, connect: bool) -> i32 {
+    let bind: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal");
+    let Ok(sock) = std::net::UdpSocket::bind(bind) else {
+        return 1;
+    };
+    let _ = sock.set_read_timeout(Some(Duration::from_secs(3)));
+    let sent = if connect {
+        sock.connect(addr).and_then(|()| sock.send(b"query"))
+    } else {
+        sock.send_to(b"query", addr)
+    };
+    if let Err(e) = sent {
+        println!("{{\"error\":\"{e}\"}}");
+        return 1;
+    }
+    let mut buf = [0u8; 512];
+    match sock.recv_from(&mut buf) {
+        Ok((n, from)) => {
+            let reply = String::from_utf8_lossy(&buf[..n]);
+            println!("{{\"from\":\"{from}\",\"reply\":\"{reply}\"}}");
+            0
+        }
+        Err(e) => {
+            println!("{{\"error\":\"{e}\"}}");
+            1
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let addr = |i: usize| -> SocketAddr {
@@ -148,6 +191,8 @@ fn main() {
     };
     let code = match args.first().map(String::as_str) {
         Some("connect") => connect(addr(1), args.iter().any(|a| a == "--http")),
+        Some("udp-serve") => udp_serve(addr(1)),
+        Some("udp-query") => udp_query(addr(1), args.iter().any(|a| a == "--connect")),
         Some("proxy") => proxy(
             addr(1),
             args.get(2).expect("report path"),
