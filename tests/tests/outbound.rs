@@ -185,8 +185,31 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
         return Ok(());
     }
     let env = TestEnv::new("lifecycle")?;
+    let pin_root = env.pin_root().display().to_string();
+    // Before load, enrolment fails and says how to fix it.
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let pod = node.add_pod("pod")?;
+    let netns = pod.netns_path.display().to_string();
+    let err = sidestep_tests::sidestep::sidestep(&["enroll", "--pin-root", &pin_root, "--netns", &netns])
+        .expect_err("enrolled without programs");
+    ensure!(format!("{err:#}").contains("sidestep load"), "{err:#}");
+
     let loaded = Loaded::load(&env)?;
+    // The host network namespace is never enrolled.
+    for host in ["/proc/self/ns/net", "/proc/1/ns/net"] {
+        if let Err(err) =
+            sidestep_tests::sidestep::sidestep(&["enroll", "--pin-root", &pin_root, "--netns", host])
+        {
+            let msg = format!("{err:#}");
+            ensure!(msg.contains("host network namespace") || msg.contains("denied"), "{msg}");
+        } else {
+            anyhow::bail!("enrolled the host netns via {host}");
+        }
+    }
+    ensure!(loaded.status()?["pods"].as_array().map(Vec::len) == Some(0));
     let status = loaded.status()?;
+    let map_ids = map_ids(env.pin_root())?;
+    ensure!(map_ids.len() >= 6, "maps {map_ids:?}");
     let prog_ids: Vec<u64> = status["programs"]
         .as_array()
         .context("programs")?
@@ -234,11 +257,35 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
             .copied()
             .filter(|id| progs.lines().any(|l| l.starts_with(&format!("{id}:"))))
             .collect();
-        if left.is_empty() {
+        let maps = std::process::Command::new("bpftool").args(["map", "show"]).output()?;
+        let maps = String::from_utf8_lossy(&maps.stdout).to_string();
+        let left_maps: Vec<u64> = map_ids
+            .iter()
+            .copied()
+            .filter(|id| maps.lines().any(|l| l.starts_with(&format!("{id}:"))))
+            .collect();
+        if left.is_empty() && left_maps.is_empty() {
             break;
         }
-        ensure!(std::time::Instant::now() < deadline, "programs {left:?} still loaded");
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "programs {left:?} and maps {left_maps:?} still loaded"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     Ok(())
+}
+
+/// IDs of the maps pinned under the pin root, from bpftool.
+fn map_ids(pin_root: &std::path::Path) -> Result<Vec<u64>> {
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(pin_root.join("maps"))? {
+        let path = entry?.path();
+        let out = std::process::Command::new("bpftool")
+            .args(["map", "show", "pinned", &path.display().to_string(), "--json"])
+            .output()?;
+        let v: Value = serde_json::from_slice(&out.stdout)?;
+        ids.push(v["id"].as_u64().with_context(|| format!("no id for {}", path.display()))?);
+    }
+    Ok(ids)
 }
