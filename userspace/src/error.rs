@@ -121,4 +121,6 @@ pub enum EnrollError {
     Pins(#[from] LoadError),
     #[error("cannot create {path}: {source}")]
     StateDir { path: PathBuf, source: io::Error },
+    #[error("{0} has no interface for inbound capture (all excluded, or none but lo); name one with --interface, or turn inbound capture off with --include-inbound-ports ''")]
+    NoInterface(PathBuf),
 }

@@ -11,7 +11,7 @@ use aya::programs::ProgramInfo;
 use serde::Serialize;
 use sidestep_abi::{Counters, PodPolicy, flags};
 
-use crate::{loader::CGROUP_PROGRAMS, maps::PolicyMaps, mounts, pins::PinLayout, sys};
+use crate::{loader::{CGROUP_PROGRAMS, POD_PROGRAMS}, maps::PolicyMaps, mounts, pins::PinLayout, sys};
 
 #[derive(Debug, Serialize)]
 pub struct Status {
@@ -43,6 +43,8 @@ pub struct Attachment {
 #[derive(Debug, Serialize)]
 pub struct PodStatus {
     pub netns_cookie: u64,
+    /// Interfaces carrying the inbound tc program.
+    pub interfaces: Vec<String>,
     pub policy: PolicySummary,
     pub counters: CounterSummary,
 }
@@ -131,15 +133,17 @@ pub fn collect(pin_root: &Path) -> Status {
     let layout = PinLayout::new(pin_root);
     let mut programs = Vec::new();
     let mut attachments = Vec::new();
-    for spec in CGROUP_PROGRAMS {
-        if let Ok(info) = ProgramInfo::from_pin(layout.program(spec.name)) {
+    for name in CGROUP_PROGRAMS.iter().map(|s| s.name).chain(POD_PROGRAMS) {
+        if let Ok(info) = ProgramInfo::from_pin(layout.program(name)) {
             programs.push(ProgramStatus {
-                name: spec.name.to_string(),
+                name: name.to_string(),
                 id: info.id(),
                 run_count: info.run_count(),
                 run_time_ns: info.run_time().as_nanos() as u64,
             });
         }
+    }
+    for spec in CGROUP_PROGRAMS {
         if let Ok(link) = sys::obj_get(&layout.cgroup_link(spec.attach_point))
             && let Ok(info) = sys::link_info(link.as_fd())
         {
@@ -158,6 +162,7 @@ pub fn collect(pin_root: &Path) -> Status {
                 .into_iter()
                 .map(|(cookie, policy)| PodStatus {
                     netns_cookie: cookie,
+                    interfaces: crate::tc::attached_interfaces(&layout, cookie),
                     policy: summarize_policy(&policy),
                     counters: maps.counters(cookie).into(),
                 })
@@ -214,8 +219,9 @@ impl Status {
             let c = &pod.counters;
             let _ = writeln!(
                 out,
-                "  netns {:<8} proxy uid {} gid {}  ports out {} in {} dns {}  [{}]",
+                "  netns {:<8} inbound on [{}]  proxy uid {} gid {}  ports out {} in {} dns {}  [{}]",
                 pod.netns_cookie,
+                pod.interfaces.join(","),
                 p.proxy_uid,
                 p.proxy_gid,
                 p.outbound_port,

@@ -82,7 +82,12 @@ pub fn attach_inbound(
         Ok(attached)
     });
     match result {
-        Ok(attached) => Ok(attached),
+        Ok(attached) if !attached.is_empty() => Ok(attached),
+        // Inbound capture with nowhere to attach would leave the pod silently uncaptured.
+        Ok(_) => {
+            let _ = fs::remove_dir(&dir);
+            Err(EnrollError::NoInterface(netns.path().to_path_buf()))
+        }
         Err(e) => {
             let _ = detach_links_under(&dir);
             let _ = fs::remove_dir(&dir);
