@@ -16,5 +16,8 @@ fn main() {
         std::process::exit(1);
     }
     println!("cargo:rerun-if-changed={}", object.display());
-    println!("cargo:rustc-env=SIDESTEP_BPF_OBJECT_PATH={}", object.display());
+    println!(
+        "cargo:rustc-env=SIDESTEP_BPF_OBJECT_PATH={}",
+        object.display()
+    );
 }

@@ -6,9 +6,13 @@ use std::{io, path::PathBuf};
 pub enum MountError {
     #[error("cannot read /proc/self/mountinfo: {0}")]
     MountInfo(#[source] io::Error),
-    #[error("no cgroup2 filesystem is mounted; mount one (mount -t cgroup2 none /sys/fs/cgroup) or boot with cgroup v2")]
+    #[error(
+        "no cgroup2 filesystem is mounted; mount one (mount -t cgroup2 none /sys/fs/cgroup) or boot with cgroup v2"
+    )]
     NoCgroup2,
-    #[error("{path} is not a cgroup2 directory ({reason}); pass a directory under the cgroup2 mount")]
+    #[error(
+        "{path} is not a cgroup2 directory ({reason}); pass a directory under the cgroup2 mount"
+    )]
     NotCgroup2 { path: PathBuf, reason: String },
     #[error("cannot mount bpffs: {0}; mount it yourself with `mount -t bpf bpffs /sys/fs/bpf`")]
     Bpffs(String),
@@ -28,7 +32,9 @@ pub enum LoadError {
     Object(#[source] aya::EbpfError),
     #[error("the BPF object has no program {0}; rebuild with `cargo xtask build`")]
     MissingProgram(&'static str),
-    #[error("the kernel refused program {name}: {source}. sidestep needs Linux 6.6 or later with CONFIG_CGROUP_BPF and BTF")]
+    #[error(
+        "the kernel refused program {name}: {source}. sidestep needs Linux 6.6 or later with CONFIG_CGROUP_BPF and BTF"
+    )]
     ProgramLoad {
         name: &'static str,
         #[source]
@@ -45,7 +51,9 @@ pub enum LoadError {
     Pin { path: PathBuf, source: io::Error },
     #[error("cannot replace the program behind {path}: {source}")]
     Replace { path: PathBuf, source: io::Error },
-    #[error("the pinned links under {pin_root} are attached to cgroup id {pinned}, not {requested}; unload first")]
+    #[error(
+        "the pinned links under {pin_root} are attached to cgroup id {pinned}, not {requested}; unload first"
+    )]
     OtherCgroup {
         pin_root: PathBuf,
         pinned: u64,
@@ -57,7 +65,9 @@ pub enum LoadError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
-    #[error("sidestep is not loaded at {0}: run `sidestep load --cgroup DIR --pin-root {0}` (or start the agent) first")]
+    #[error(
+        "sidestep is not loaded at {0}: run `sidestep load --cgroup DIR --pin-root {0}` (or start the agent) first"
+    )]
     NotLoaded(PathBuf),
     #[error("cannot open pinned map {path}: {source}")]
     Open {
@@ -83,7 +93,9 @@ pub enum NetnsError {
     Open { path: PathBuf, source: io::Error },
     #[error("{0} is not a network namespace")]
     NotNetns(PathBuf),
-    #[error("{0} is the host network namespace; sidestep never enrols it (hostNetwork pods are not captured)")]
+    #[error(
+        "{0} is the host network namespace; sidestep never enrols it (hostNetwork pods are not captured)"
+    )]
     HostNetns(PathBuf),
     #[error("cannot enter network namespace {path}: {source}")]
     Enter { path: PathBuf, source: io::Error },
@@ -121,6 +133,8 @@ pub enum EnrollError {
     Pins(#[from] LoadError),
     #[error("cannot create {path}: {source}")]
     StateDir { path: PathBuf, source: io::Error },
-    #[error("{0} has no interface for inbound capture (all excluded, or none but lo); name one with --interface, or turn inbound capture off with --include-inbound-ports ''")]
+    #[error(
+        "{0} has no interface for inbound capture (all excluded, or none but lo); name one with --interface, or turn inbound capture off with --include-inbound-ports ''"
+    )]
     NoInterface(PathBuf),
 }

@@ -195,7 +195,9 @@ fn load_inner(
     }
     // Per-pod programs are pinned only; enrolment attaches them inside each pod netns.
     for name in POD_PROGRAMS {
-        let program = ebpf.program_mut(name).ok_or(LoadError::MissingProgram(name))?;
+        let program = ebpf
+            .program_mut(name)
+            .ok_or(LoadError::MissingProgram(name))?;
         let path = layout.program(name);
         if path.exists() {
             // TODO(upgrade): per-pod tc links keep the old program until re-enrolled.
@@ -252,10 +254,10 @@ fn load_inner(
         } else {
             let link = sys::cgroup_link_create(prog_fd.as_fd(), cgroup.as_fd(), spec.attach_type)
                 .map_err(|source| LoadError::Attach {
-                    name: spec.name,
-                    cgroup: opts.cgroup.clone(),
-                    source,
-                })?;
+                name: spec.name,
+                cgroup: opts.cgroup.clone(),
+                source,
+            })?;
             sys::obj_pin(link.as_fd(), &link_path).map_err(|source| LoadError::Pin {
                 path: link_path.clone(),
                 source,

@@ -12,7 +12,11 @@ use sidestep::{
 };
 
 #[derive(Parser)]
-#[command(name = "sidestep", version, about = "eBPF traffic redirection to a mesh sidecar")]
+#[command(
+    name = "sidestep",
+    version,
+    about = "eBPF traffic redirection to a mesh sidecar"
+)]
 struct Cli {
     /// Log filter, e.g. info or sidestep=debug.
     #[arg(long, global = true, env = "SIDESTEP_LOG", default_value = "info")]
@@ -50,7 +54,7 @@ enum Command {
         #[arg(long = "interface")]
         interfaces: Vec<String>,
         #[command(flatten)]
-        policy: PolicyArgs,
+        policy: Box<PolicyArgs>,
     },
     /// Remove a pod network namespace from the data path.
     Unenroll {
@@ -209,7 +213,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let was = enroll::unenroll(&pin_root, &netns)?;
             println!(
                 "{} {}",
-                if was { "unenrolled" } else { "was not enrolled:" },
+                if was {
+                    "unenrolled"
+                } else {
+                    "was not enrolled:"
+                },
                 netns.display()
             );
         }

@@ -77,7 +77,8 @@ impl PolicyMaps {
     }
 
     pub fn zero_counters(&mut self, netns_cookie: u64) -> Result<(), MapsError> {
-        let cpus = aya::util::nr_cpus().map_err(|(what, e)| MapsError::Cpus(format!("{what}: {e}")))?;
+        let cpus =
+            aya::util::nr_cpus().map_err(|(what, e)| MapsError::Cpus(format!("{what}: {e}")))?;
         let values = PerCpuValues::try_from(vec![Counters::default(); cpus])
             .map_err(|e| MapsError::Cpus(e.to_string()))?;
         self.counters

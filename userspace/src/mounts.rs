@@ -36,12 +36,14 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 4]).unwrap_or(""), 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
+        if bytes[i] == b'\\'
+            && i + 4 <= bytes.len()
+            && let Ok(v) =
+                u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 4]).unwrap_or(""), 8)
+        {
+            out.push(v);
+            i += 4;
+            continue;
         }
         out.push(bytes[i]);
         i += 1;
@@ -82,7 +84,9 @@ pub fn check_cgroup2_dir(dir: &Path) -> Result<(), MountError> {
 /// mounted there (as Cilium and bpftool do).
 pub fn ensure_bpffs(pin_root: &Path) -> Result<(), MountError> {
     let bpffs = Path::new("/sys/fs/bpf");
-    if !is_bpffs(pin_root.parent().unwrap_or(bpffs)) && pin_root.starts_with(bpffs) && !is_bpffs(bpffs)
+    if !is_bpffs(pin_root.parent().unwrap_or(bpffs))
+        && pin_root.starts_with(bpffs)
+        && !is_bpffs(bpffs)
     {
         fs::create_dir_all(bpffs).map_err(|e| MountError::Bpffs(e.to_string()))?;
         nix::mount::mount(
@@ -105,7 +109,7 @@ pub fn ensure_bpffs(pin_root: &Path) -> Result<(), MountError> {
 pub fn is_bpffs(path: &Path) -> bool {
     const BPF_FS_MAGIC: i64 = 0xcafe4a11;
     nix::sys::statfs::statfs(path)
-        .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+        .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
         .unwrap_or(false)
 }
 
@@ -131,7 +135,11 @@ mod tests {
     #[test]
     fn decodes_octal_escapes() {
         let mounts = parse_mountinfo(HYBRID);
-        assert!(mounts.iter().any(|m| m.mount_point == Path::new("/mnt/with space")));
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m.mount_point == Path::new("/mnt/with space"))
+        );
     }
 
     #[test]

@@ -74,10 +74,7 @@ impl Netns {
     }
 
     /// Runs `f` on a fresh thread that has entered this netns. The caller's thread is untouched.
-    pub fn run<T: Send>(
-        &self,
-        f: impl FnOnce() -> io::Result<T> + Send,
-    ) -> Result<T, NetnsError> {
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> io::Result<T> + Send) -> Result<T, NetnsError> {
         std::thread::scope(|scope| {
             scope
                 .spawn(|| {

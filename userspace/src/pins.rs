@@ -42,8 +42,7 @@ impl PinLayout {
     }
     /// Whether a load left its programs here: the policy map is pinned last.
     pub fn is_loaded(&self) -> bool {
-        self.map(sidestep_abi::map_names::POD_POLICY).exists()
-            && self.links_dir().is_dir()
+        self.map(sidestep_abi::map_names::POD_POLICY).exists() && self.links_dir().is_dir()
     }
 }
 
@@ -54,8 +53,14 @@ mod tests {
     #[test]
     fn layout_paths_are_stable() {
         let l = PinLayout::new("/sys/fs/bpf/x");
-        assert_eq!(l.map("SIDESTEP_POD"), Path::new("/sys/fs/bpf/x/maps/SIDESTEP_POD"));
-        assert_eq!(l.cgroup_link("connect4"), Path::new("/sys/fs/bpf/x/links/connect4"));
+        assert_eq!(
+            l.map("SIDESTEP_POD"),
+            Path::new("/sys/fs/bpf/x/maps/SIDESTEP_POD")
+        );
+        assert_eq!(
+            l.cgroup_link("connect4"),
+            Path::new("/sys/fs/bpf/x/links/connect4")
+        );
         assert_eq!(l.program("p"), Path::new("/sys/fs/bpf/x/progs/p"));
     }
 }

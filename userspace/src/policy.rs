@@ -252,7 +252,9 @@ pub fn address_words(ip: &IpAddr) -> [u32; 4] {
         IpAddr::V6(v6) => *v6,
     };
     let o = v6.octets();
-    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
 }
 
 fn cidr_entry(netns_cookie: u64, list: u32, net: &IpNet) -> (u32, CidrKey) {
@@ -404,7 +406,7 @@ impl Policy {
         if self.capture_ipv6 {
             f |= flags::IPV6;
         }
-        cidrs.sort_by(|a, b| (a.0, a.1.list_be, a.1.addr).cmp(&(b.0, b.1.list_be, b.1.addr)));
+        cidrs.sort_by_key(|c| (c.0, c.1.list_be, c.1.addr));
         cidrs.dedup();
         ports.sort_by_key(|k| (k.list, k.port));
         ports.dedup();

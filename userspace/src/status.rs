@@ -11,7 +11,13 @@ use aya::programs::ProgramInfo;
 use serde::Serialize;
 use sidestep_abi::{Counters, PodPolicy, flags};
 
-use crate::{loader::{CGROUP_PROGRAMS, POD_PROGRAMS}, maps::PolicyMaps, mounts, pins::PinLayout, sys};
+use crate::{
+    loader::{CGROUP_PROGRAMS, POD_PROGRAMS},
+    maps::PolicyMaps,
+    mounts,
+    pins::PinLayout,
+    sys,
+};
 
 #[derive(Debug, Serialize)]
 pub struct Status {
@@ -195,10 +201,18 @@ impl Status {
         }
         let _ = writeln!(out, "sidestep at {}", self.pin_root.display());
         let _ = writeln!(out, "\nPROGRAMS ({}):", self.programs.len());
-        let _ = writeln!(out, "  {:<24} {:>6} {:>12} {:>12}", "NAME", "ID", "RUNS", "AVG NS");
+        let _ = writeln!(
+            out,
+            "  {:<24} {:>6} {:>12} {:>12}",
+            "NAME", "ID", "RUNS", "AVG NS"
+        );
         for p in &self.programs {
-            let avg = if p.run_count > 0 { p.run_time_ns / p.run_count } else { 0 };
-            let _ = writeln!(out, "  {:<24} {:>6} {:>12} {:>12}", p.name, p.id, p.run_count, avg);
+            let avg = p.run_time_ns.checked_div(p.run_count).unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "  {:<24} {:>6} {:>12} {:>12}",
+                p.name, p.id, p.run_count, avg
+            );
         }
         let _ = writeln!(out, "\nATTACHMENTS ({}):", self.attachments.len());
         for a in &self.attachments {
@@ -213,7 +227,12 @@ impl Status {
                 a.attach_point, a.link_id, a.prog_id, cg
             );
         }
-        let _ = writeln!(out, "\nPODS ({} of {} slots):", self.pods.len(), self.pod_capacity);
+        let _ = writeln!(
+            out,
+            "\nPODS ({} of {} slots):",
+            self.pods.len(),
+            self.pod_capacity
+        );
         for pod in &self.pods {
             let p = &pod.policy;
             let c = &pod.counters;

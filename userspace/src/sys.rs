@@ -21,7 +21,11 @@ fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<i64> {
             std::mem::size_of::<bpf_attr>(),
         )
     };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
 }
 
 fn zeroed_attr() -> bpf_attr {

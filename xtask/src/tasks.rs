@@ -50,7 +50,14 @@ pub fn demo() -> Result<ExitCode> {
     // The demo drives a local node with the test topology, so it lives in the tests crate.
     let status = build::workspace_cargo(&object)
         .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
-        .args(["run", "--quiet", "-p", "sidestep-tests", "--bin", "sidestep-demo"])
+        .args([
+            "run",
+            "--quiet",
+            "-p",
+            "sidestep-tests",
+            "--bin",
+            "sidestep-demo",
+        ])
         .status()?;
     Ok(exit_code(status))
 }

@@ -120,7 +120,8 @@ fn destination_pod(ctx: &TcContext, seg: &Segment) -> Option<u64> {
     // SAFETY: `sk` is a readable pointer field of __sk_buff.
     let sk = unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk };
     // SAFETY: valid skb context.
-    sk.is_null().then(|| unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
+    sk.is_null()
+        .then(|| unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
 }
 
 #[inline(always)]
@@ -169,7 +170,11 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         addr: seg.dst,
         port_be: seg.dst_port_be,
         kind: redirect_kind::INBOUND,
-        family: if seg.ipv6 { linux::AF_INET6 } else { linux::AF_INET },
+        family: if seg.ipv6 {
+            linux::AF_INET6
+        } else {
+            linux::AF_INET
+        },
         side: socket_side::ACCEPTED,
     };
     let _ = SIDESTEP_PEND.insert(key, orig, 0);

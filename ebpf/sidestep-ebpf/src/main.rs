@@ -3,9 +3,9 @@
 #![no_main]
 
 mod connect;
-mod inbound;
 mod context;
 mod dns;
+mod inbound;
 mod maps;
 mod peername;
 mod policy;

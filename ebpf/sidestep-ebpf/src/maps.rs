@@ -17,12 +17,10 @@ pub static SIDESTEP_ADDRS: HashMap<[u32; 4], u64, { capacity::ADDRESSES as usize
     HashMap::new();
 
 #[btf_map]
-pub static SIDESTEP_PORTS: HashMap<PortKey, u8, { capacity::PORT_RULES as usize }> =
-    HashMap::new();
+pub static SIDESTEP_PORTS: HashMap<PortKey, u8, { capacity::PORT_RULES as usize }> = HashMap::new();
 
 #[btf_map]
-pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize }> =
-    LpmTrie::new();
+pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize }> = LpmTrie::new();
 
 #[btf_map]
 pub static SIDESTEP_STATS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =

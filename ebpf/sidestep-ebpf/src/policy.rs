@@ -6,7 +6,7 @@ use sidestep_abi::{
     is_v4_mapped, linux, port_list, redirect_kind,
 };
 
-use crate::maps::{SIDESTEP_CIDRS, SIDESTEP_STATS, SIDESTEP_POD, SIDESTEP_PORTS};
+use crate::maps::{SIDESTEP_CIDRS, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_STATS};
 
 /// `127.0.0.1` in network byte order.
 pub const LOOPBACK4_BE: u32 = 0x7f00_0001_u32.to_be();
@@ -44,7 +44,10 @@ pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
         bytes[i * 4 + 3] = word[3];
         i += 1;
     }
-    let key = Key::new(CIDR_KEY_FIXED_BITS + 128, CidrKey::new(netns_cookie, list, bytes));
+    let key = Key::new(
+        CIDR_KEY_FIXED_BITS + 128,
+        CidrKey::new(netns_cookie, list, bytes),
+    );
     SIDESTEP_CIDRS.get(&key).is_some()
 }
 
@@ -96,7 +99,10 @@ pub fn is_passthrough_source(addr: &[u32; 4]) -> bool {
 pub enum Verdict {
     Pass,
     /// Rewrite to loopback at this port; `kind` is a `redirect_kind` value.
-    Redirect { port: u16, kind: u16 },
+    Redirect {
+        port: u16,
+        kind: u16,
+    },
 }
 
 /// A connect from inside an enrolled netns, as the decision sees it.
@@ -143,8 +149,8 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     {
         return Verdict::Pass;
     }
-    let local_dst = is_loopback(&c.dst)
-        || cidr_listed(c.netns_cookie, cidr_list::POD_ADDRESS, &c.dst);
+    let local_dst =
+        is_loopback(&c.dst) || cidr_listed(c.netns_cookie, cidr_list::POD_ADDRESS, &c.dst);
     if local_dst {
         // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app.
         if is_passthrough_source(&c.bound_src) {

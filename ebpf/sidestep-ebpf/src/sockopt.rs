@@ -33,7 +33,8 @@ pub fn sidestep_getsockopt(ctx: SockoptContext) -> i32 {
 unsafe fn handle(ctx: &SockoptContext) {
     let so = ctx.sockopt;
     // SAFETY: 4-byte context fields.
-    let (level, optname) = unsafe { (load(&raw const (*so).level), load(&raw const (*so).optname)) };
+    let (level, optname) =
+        unsafe { (load(&raw const (*so).level), load(&raw const (*so).optname)) };
     if optname != linux::SO_ORIGINAL_DST || (level != linux::SOL_IP && level != linux::SOL_IPV6) {
         return;
     }
@@ -57,7 +58,11 @@ unsafe fn handle(ctx: &SockoptContext) {
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // SAFETY: `sk` is this context's socket, checked non-null.
     let orig = unsafe { socket_orig_dst(sk.cast(), None) };
-    let want_family = if level == linux::SOL_IP { linux::AF_INET } else { linux::AF_INET6 };
+    let want_family = if level == linux::SOL_IP {
+        linux::AF_INET
+    } else {
+        linux::AF_INET6
+    };
     // SAFETY: non-null storage of this socket, copied out.
     let orig = (!orig.is_null()).then(|| unsafe { *orig });
     let Some(orig) = orig.filter(|o| o.family == want_family) else {
@@ -69,7 +74,11 @@ unsafe fn handle(ctx: &SockoptContext) {
         }
         return;
     };
-    let len = if want_family == linux::AF_INET { SOCKADDR_IN_LEN } else { SOCKADDR_IN6_LEN };
+    let len = if want_family == linux::AF_INET {
+        SOCKADDR_IN_LEN
+    } else {
+        SOCKADDR_IN6_LEN
+    };
     // SAFETY: pointer arithmetic only; the bound is checked before any write.
     if unsafe { optval.add(len) } > optval_end {
         // SAFETY: writable context field.

@@ -62,7 +62,10 @@ fn empty_includes_turn_capture_off() {
 fn bad_values_name_the_field() {
     let e = parse_port_set("traffic.sidecar.istio.io/excludeInboundPorts", "80,70000").unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains("excludeInboundPorts") && msg.contains("70000"), "{msg}");
+    assert!(
+        msg.contains("excludeInboundPorts") && msg.contains("70000"),
+        "{msg}"
+    );
     let e = parse_cidr_set("includeOutboundIPRanges", "10.0.0.0/33").unwrap_err();
     assert!(e.to_string().contains("10.0.0.0/33"));
     assert!(parse_port("p", "0").is_err());
@@ -99,5 +102,8 @@ fn pod_ips_are_host_routes() {
         .filter(|(_, k)| k.list_be == cidr_list::POD_ADDRESS.to_be())
         .map(|(bits, _)| *bits)
         .collect();
-    assert_eq!(pods, vec![CIDR_KEY_FIXED_BITS + 128, CIDR_KEY_FIXED_BITS + 128]);
+    assert_eq!(
+        pods,
+        vec![CIDR_KEY_FIXED_BITS + 128, CIDR_KEY_FIXED_BITS + 128]
+    );
 }
