@@ -183,6 +183,12 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
     let was_enrolled = match maps.pods.remove(&netns_cookie) {
         Ok(()) => true,
         Err(aya::maps::MapError::KeyNotFound) => false,
+        // aya reports a missing key on delete as the syscall's ENOENT.
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            false
+        }
         Err(e) => return Err(classify(map_names::POD_POLICY, 0, e)),
     };
     for key in port_keys(maps, netns_cookie) {

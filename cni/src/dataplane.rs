@@ -1,0 +1,137 @@
+//! The data path as the operations see it. [`Pinned`] is the real one (the sidestep library on
+//! the pins under `pin_root`); tests substitute a fake to exercise rollback and idempotence
+//! without BPF.
+
+use std::path::{Path, PathBuf};
+
+use sidestep::{
+    enroll::{self, Enrolled},
+    error::{EnrollError, MapsError, NetnsError},
+    maps::PolicyMaps,
+    netns::Netns,
+    pins::PinLayout,
+    policy::Policy,
+    tc,
+};
+
+use crate::spec::{CniError, code, error::ToCniError};
+
+/// What the pod map says about a cookie, compared with the policy we expect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodEntry {
+    Missing,
+    Matches,
+    Differs,
+}
+
+pub trait Dataplane {
+    fn pin_root(&self) -> &Path;
+    fn is_loaded(&self) -> bool;
+    /// Opens the netns (refusing the host's) and reads its cookie.
+    fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError>;
+    fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError>;
+    /// Removes a cookie's entries and tc links; `Ok(false)` when it had none. Succeeds when the
+    /// programs are not loaded at all (there is nothing left to remove).
+    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError>;
+    fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError>;
+    fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
+}
+
+#[derive(Debug, Clone)]
+pub struct Pinned {
+    pin_root: PathBuf,
+}
+
+impl Pinned {
+    pub fn new(pin_root: impl Into<PathBuf>) -> Self {
+        Self {
+            pin_root: pin_root.into(),
+        }
+    }
+}
+
+impl Dataplane for Pinned {
+    fn pin_root(&self) -> &Path {
+        &self.pin_root
+    }
+
+    fn is_loaded(&self) -> bool {
+        PinLayout::new(&self.pin_root).is_loaded()
+    }
+
+    fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError> {
+        Netns::open(netns)?.cookie()
+    }
+
+    fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
+        enroll::enroll(&self.pin_root, netns, policy, Some(&[ifname.to_owned()]))
+    }
+
+    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
+        let enrolled = match PolicyMaps::open(&self.pin_root) {
+            Ok(maps) => maps.pods.get(&cookie, 0).is_ok(),
+            // The maps are gone, but a tc link pinned by an interrupted unload may not be.
+            Err(MapsError::NotLoaded(_)) => false,
+            Err(e) => return Err(e.into()),
+        };
+        if !enrolled {
+            // unenroll_by_cookie reports the kernel's ENOENT for an absent pod entry as an
+            // error, so an absent pod only gets its tc links removed.
+            tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+            return Ok(false);
+        }
+        enroll::unenroll_by_cookie(&self.pin_root, cookie)
+    }
+
+    fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError> {
+        let maps = PolicyMaps::open(&self.pin_root)?;
+        let want = policy.to_map_entries(cookie).pod;
+        Ok(match maps.pods.get(&cookie, 0) {
+            Ok(have) if have == want => PodEntry::Matches,
+            Ok(_) => PodEntry::Differs,
+            Err(_) => PodEntry::Missing,
+        })
+    }
+
+    fn attached_interfaces(&self, cookie: u64) -> Vec<String> {
+        tc::attached_interfaces(&PinLayout::new(&self.pin_root), cookie)
+    }
+}
+
+/// How the library's errors reach the runtime. `pin_root` goes into "not loaded" messages so
+/// the operator sees where the plugin looked.
+pub fn enroll_error(e: &EnrollError) -> CniError {
+    match e {
+        EnrollError::Netns(n) => netns_error(n),
+        EnrollError::Maps(MapsError::NotLoaded(root)) => not_loaded(root),
+        EnrollError::Policy(p) => CniError::new(code::INVALID_CONFIG, p.to_string()),
+        other => CniError::new(
+            code::ENROLL_FAILED,
+            format!("cannot enrol the pod: {other}"),
+        ),
+    }
+}
+
+pub fn netns_error(e: &NetnsError) -> CniError {
+    CniError::new(code::INVALID_NETNS, e.to_string())
+}
+
+pub fn not_loaded(pin_root: &Path) -> CniError {
+    CniError::new(
+        code::TRY_AGAIN_LATER,
+        format!(
+            "sidestep is not loaded at pin_root {}: the pod cannot be captured yet",
+            pin_root.display()
+        ),
+    )
+    .details(format!(
+        "start the sidestep agent on this node, or run `sidestep load --cgroup <cgroup2 root> --pin-root {}`",
+        pin_root.display()
+    ))
+}
+
+impl ToCniError for EnrollError {
+    fn to_cni(&self) -> CniError {
+        enroll_error(self)
+    }
+}

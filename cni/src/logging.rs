@@ -1,0 +1,93 @@
+//! Logs go to stderr (stdout belongs to the protocol) and, with `log_file`, to a root-only file.
+
+use std::{
+    fs::OpenOptions,
+    os::unix::fs::OpenOptionsExt,
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use serde_json::Value;
+use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::SubscriberInitExt};
+
+/// The logging fields of the config, read before it is validated so that config errors are
+/// logged where the operator configured.
+pub fn peek(stdin: &[u8]) -> (Option<String>, Option<PathBuf>) {
+    let Ok(v) = serde_json::from_slice::<Value>(stdin) else {
+        return (None, None);
+    };
+    let s = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+    (
+        s("plugin_log_level").or_else(|| s("log_level")),
+        s("log_file").map(PathBuf::from),
+    )
+}
+
+/// Istio's level names, plus anything tracing's filter syntax takes.
+fn filter(level: Option<&str>) -> EnvFilter {
+    let level = match level.map(str::to_ascii_lowercase).as_deref() {
+        None | Some("") => "info".to_owned(),
+        Some("none") => "off".to_owned(),
+        Some("warning") => "warn".to_owned(),
+        Some(l) => l.to_owned(),
+    };
+    EnvFilter::try_new(&level).unwrap_or_else(|_| EnvFilter::new("info"))
+}
+
+pub fn init(level: Option<&str>, file: Option<&Path>) {
+    let stderr = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_target(false)
+        .with_filter(filter(level));
+    let file_layer = file.and_then(|path| {
+        match OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(path)
+        {
+            Ok(f) => Some(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(Mutex::new(f))
+                    .with_ansi(false)
+                    .with_filter(filter(level)),
+            ),
+            Err(e) => {
+                eprintln!("sidestep-cni: cannot open log_file {}: {e}", path.display());
+                None
+            }
+        }
+    });
+    let _ = tracing_subscriber::registry()
+        .with(stderr)
+        .with(file_layer)
+        .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peeks_both_shapes() {
+        let (l, f) = peek(br#"{"plugin_log_level":"debug","log_file":"/tmp/x"}"#);
+        assert_eq!(l.as_deref(), Some("debug"));
+        assert_eq!(f, Some(PathBuf::from("/tmp/x")));
+        assert_eq!(peek(br#"{"log_level":"warn"}"#).0.as_deref(), Some("warn"));
+        assert_eq!(peek(b"{"), (None, None));
+    }
+
+    #[test]
+    fn level_names() {
+        for l in [
+            None,
+            Some("none"),
+            Some("warning"),
+            Some("DEBUG"),
+            Some("bogus["),
+        ] {
+            let _ = filter(l);
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Linkerd: linkerd-cni's skip rules and `config.linkerd.io/*` overrides. Linkerd's rules ignore
+//! loopback wholesale, so there is no hairpin and no DNS capture.
+
+use std::collections::BTreeSet;
+
+use sidestep::policy::{CidrSet, Policy, PortSet};
+
+use super::{AnnotationError, Decision, SkipReason, bad, cidr_set, enrol, id, single_port, union};
+use crate::pod::{PodInfo, PodSource};
+
+pub const PROXY: &str = "linkerd-proxy";
+pub const INIT: &str = "linkerd-init";
+pub const PROXY_UID: u32 = 2102;
+pub const INBOUND_PORT: u16 = 4143;
+pub const OUTBOUND_PORT: u16 = 4140;
+/// The proxy's control (4190) and admin (4191) ports, which linkerd-cni never redirects.
+pub const ALWAYS_SKIPPED_INBOUND: [u16; 2] = [4190, 4191];
+
+pub const INJECT: &str = "linkerd.io/inject";
+/// The injector stamps it on every pod it gives a proxy.
+pub const PROXY_VERSION: &str = "linkerd.io/proxy-version";
+pub const SKIP_INBOUND_PORTS: &str = "config.linkerd.io/skip-inbound-ports";
+pub const SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
+pub const SKIP_SUBNETS: &str = "config.linkerd.io/skip-subnets";
+pub const PROXY_UID_ANNOTATION: &str = "config.linkerd.io/proxy-uid";
+
+/// Expanded port ranges past this many ports per annotation would crowd the shared rule map.
+const MAX_RANGE_PORTS: usize = 1024;
+
+/// Linkerd's port lists allow ranges: `25,587,4000-4100`.
+pub fn port_ranges(key: &str, text: &str) -> Result<BTreeSet<u16>, AnnotationError> {
+    let mut ports = BTreeSet::new();
+    for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match item.split_once('-') {
+            Some((lo, hi)) => {
+                let (lo, hi) = (single_port(key, lo)?, single_port(key, hi)?);
+                if lo > hi {
+                    return Err(bad(key, text, format!("range {item} is reversed")));
+                }
+                ports.extend(lo..=hi);
+            }
+            None => {
+                ports.insert(single_port(key, item)?);
+            }
+        }
+        if ports.len() > MAX_RANGE_PORTS {
+            return Err(bad(
+                key,
+                text,
+                format!("more than {MAX_RANGE_PORTS} ports; skip a subnet instead"),
+            ));
+        }
+    }
+    Ok(ports)
+}
+
+pub fn decide(pod: &PodInfo) -> Result<Decision, AnnotationError> {
+    match pod.source {
+        PodSource::Api => {
+            if pod.has_init_container(INIT) {
+                return Ok(Decision::Skip(SkipReason::InitContainer(INIT)));
+            }
+            if pod.container(PROXY).is_none() {
+                return Ok(Decision::Skip(SkipReason::NoProxyContainer {
+                    want: PROXY,
+                    have: pod
+                        .container_names()
+                        .into_iter()
+                        .map(str::to_owned)
+                        .collect(),
+                }));
+            }
+        }
+        PodSource::RuntimeAnnotations => {
+            if let Some(v) = pod.annotation(INJECT)
+                && v == "disabled"
+            {
+                return Ok(Decision::Skip(SkipReason::InjectDisabled {
+                    key: INJECT,
+                    value: v.into(),
+                    from_label: false,
+                }));
+            }
+            if pod.annotation(PROXY_VERSION).is_none() {
+                return Ok(Decision::Skip(SkipReason::NotInjected(PROXY_VERSION)));
+            }
+        }
+    }
+    Ok(enrol(policy(pod)?, false))
+}
+
+pub fn policy(pod: &PodInfo) -> Result<Policy, AnnotationError> {
+    let mut p = Policy {
+        proxy_uid: PROXY_UID,
+        // Linkerd matches the proxy by UID alone; the same value keeps the GID rule inert.
+        proxy_gid: PROXY_UID,
+        inbound_port: INBOUND_PORT,
+        outbound_port: OUTBOUND_PORT,
+        dns_capture: false,
+        ..Policy::default()
+    };
+    if let Some(v) = pod.annotation(PROXY_UID_ANNOTATION) {
+        p.proxy_uid = id(PROXY_UID_ANNOTATION, v)?;
+        p.proxy_gid = p.proxy_uid;
+    }
+    let inbound = match pod.annotation(SKIP_INBOUND_PORTS) {
+        Some(v) => port_ranges(SKIP_INBOUND_PORTS, v)?,
+        None => BTreeSet::new(),
+    };
+    p.exclude_inbound_ports = union(PortSet::Only(inbound), &ALWAYS_SKIPPED_INBOUND);
+    if let Some(v) = pod.annotation(SKIP_OUTBOUND_PORTS) {
+        p.exclude_outbound_ports = PortSet::Only(port_ranges(SKIP_OUTBOUND_PORTS, v)?);
+    }
+    if let Some(v) = pod.annotation(SKIP_SUBNETS) {
+        p.exclude_outbound_ip_ranges = cidr_set(SKIP_SUBNETS, v)?;
+        if p.exclude_outbound_ip_ranges == CidrSet::All {
+            return Err(bad(SKIP_SUBNETS, v, "`*` is not a subnet"));
+        }
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests;

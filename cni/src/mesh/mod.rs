@@ -1,0 +1,251 @@
+//! The enrolment decision, in Istio's order: first the rules that need only CNI_ARGS and the
+//! config ([`before_pod_read`]), then the mesh's own rules and annotations on the pod
+//! ([`decide_pod`]). Both are pure; reading the pod and touching the data path happen elsewhere.
+
+pub mod istio;
+pub mod kuma;
+pub mod linkerd;
+
+use std::fmt;
+
+use sidestep::{
+    error::PolicyError,
+    policy::{self, CidrSet, Policy, PortSet},
+};
+
+use crate::{
+    config::{Mesh, PluginConfig},
+    pod::PodInfo,
+    spec::{CniError, code, env::CniArgs, env::valid_ifname, error::ToCniError},
+};
+
+/// The pod's Kubernetes identity from CNI_ARGS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub name: String,
+    pub namespace: String,
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SkipReason {
+    NoKubernetesIdentity,
+    AgentPod,
+    NamespaceExcluded(String),
+    InitContainer(&'static str),
+    ProxyDisabled(&'static str),
+    NoProxyContainer {
+        want: &'static str,
+        have: Vec<String>,
+    },
+    ProxyType(String),
+    InjectDisabled {
+        key: &'static str,
+        value: String,
+        from_label: bool,
+    },
+    NotInjected(&'static str),
+}
+
+impl fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NoKubernetesIdentity => f.write_str(
+                "CNI_ARGS has no K8S_POD_NAME/K8S_POD_NAMESPACE and the config has no policy",
+            ),
+            Self::AgentPod => f.write_str("it is the node agent's own pod"),
+            Self::NamespaceExcluded(ns) => write!(f, "namespace {ns} is in exclude_namespaces"),
+            Self::InitContainer(n) => write!(f, "it has a {n} init container (it captures itself)"),
+            Self::ProxyDisabled(v) => write!(f, "{v}=true on the proxy container"),
+            Self::NoProxyContainer { want, have } => {
+                write!(f, "it has no {want} container (has [{}])", have.join(", "))
+            }
+            Self::ProxyType(t) => write!(f, "its proxy type is {t}, not sidecar"),
+            Self::InjectDisabled {
+                key,
+                value,
+                from_label,
+            } => write!(
+                f,
+                "{} {key}={value}",
+                if *from_label { "label" } else { "annotation" }
+            ),
+            Self::NotInjected(key) => write!(f, "it has no {key} annotation (not injected)"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enrolment {
+    pub policy: Policy,
+    /// Whether the pod's own IPs go into the policy, which turns on Istio's hairpin (the proxy
+    /// calling its own pod IP goes inbound). Linkerd ignores loopback wholesale and has none.
+    pub hairpin: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Skip(SkipReason),
+    Enrol(Box<Enrolment>),
+}
+
+/// What to do before any pod data is fetched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PreDecision {
+    Skip(SkipReason),
+    /// A workload without Kubernetes identity, enrolled with the config's `policy`.
+    ConfigPolicy(Box<Policy>),
+    ReadPod(Identity),
+}
+
+/// A pod field that does not parse. The message names the annotation and its value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid pod annotation {key}={value:?}: {reason}")]
+pub struct AnnotationError {
+    pub key: String,
+    pub value: String,
+    pub reason: String,
+}
+
+impl ToCniError for AnnotationError {
+    fn to_cni(&self) -> CniError {
+        CniError::new(code::BAD_ANNOTATION, self.to_string())
+            .details("fix the pod's annotation (or the injected field) and recreate the pod")
+    }
+}
+
+fn bad(key: &str, value: &str, reason: impl Into<String>) -> AnnotationError {
+    AnnotationError {
+        key: key.into(),
+        value: value.into(),
+        reason: reason.into(),
+    }
+}
+
+fn from_policy_error(key: &str, value: &str, e: PolicyError) -> AnnotationError {
+    let reason = match e {
+        PolicyError::Port { value, .. } => format!("{value:?} is not a port (1-65535)"),
+        PolicyError::Cidr { value, reason, .. } => format!("{value:?} is not a CIDR ({reason})"),
+        PolicyError::Value { value, reason, .. } => format!("{value:?}: {reason}"),
+    };
+    bad(key, value, reason)
+}
+
+/// An annotation's value, or `default` when the pod does not carry it.
+fn value<'a>(pod: &'a PodInfo, key: &str, default: &'a str) -> &'a str {
+    pod.annotation(key).unwrap_or(default)
+}
+
+pub(crate) fn port_set(key: &str, text: &str) -> Result<PortSet, AnnotationError> {
+    policy::parse_port_set(key, text).map_err(|e| from_policy_error(key, text, e))
+}
+
+pub(crate) fn cidr_set(key: &str, text: &str) -> Result<CidrSet, AnnotationError> {
+    policy::parse_cidr_set(key, text).map_err(|e| from_policy_error(key, text, e))
+}
+
+pub(crate) fn single_port(key: &str, text: &str) -> Result<u16, AnnotationError> {
+    policy::parse_port(key, text).map_err(|e| from_policy_error(key, text, e))
+}
+
+pub(crate) fn id(key: &str, text: &str) -> Result<u32, AnnotationError> {
+    text.trim()
+        .parse::<u32>()
+        .map_err(|_| bad(key, text, "not a user/group ID (0-4294967295)"))
+}
+
+pub(crate) fn interfaces(key: &str, text: &str) -> Result<Vec<String>, AnnotationError> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|name| {
+            valid_ifname(name)
+                .map(|()| name.to_owned())
+                .map_err(|e| bad(key, text, e))
+        })
+        .collect()
+}
+
+/// Go's strconv.ParseBool, which Istio uses for its boolean annotations and env.
+pub(crate) fn go_bool(s: &str) -> Option<bool> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+/// Pod names the node agent's DaemonSet gives its pods (sidestep's, and istio-cni's for a
+/// drop-in install).
+const AGENT_POD_PREFIXES: [&str; 2] = ["sidestep-", "istio-cni-node-"];
+
+/// The rules that need no pod data.
+pub fn before_pod_read(cfg: &PluginConfig, args: &CniArgs) -> PreDecision {
+    let (Some(name), Some(namespace)) = (args.get("K8S_POD_NAME"), args.get("K8S_POD_NAMESPACE"))
+    else {
+        return match &cfg.policy {
+            Some(p) => PreDecision::ConfigPolicy(Box::new(p.clone())),
+            None => PreDecision::Skip(SkipReason::NoKubernetesIdentity),
+        };
+    };
+    if cfg.agent_namespace.as_deref() == Some(namespace)
+        && AGENT_POD_PREFIXES.iter().any(|p| name.starts_with(p))
+    {
+        return PreDecision::Skip(SkipReason::AgentPod);
+    }
+    if cfg.exclude_namespaces.iter().any(|n| n == namespace) {
+        return PreDecision::Skip(SkipReason::NamespaceExcluded(namespace.into()));
+    }
+    PreDecision::ReadPod(Identity {
+        name: name.into(),
+        namespace: namespace.into(),
+    })
+}
+
+/// The mesh's rules and annotations on a pod that was read.
+pub fn decide_pod(mesh: Mesh, pod: &PodInfo) -> Result<Decision, AnnotationError> {
+    match mesh {
+        Mesh::Istio => istio::decide(pod),
+        Mesh::Linkerd => linkerd::decide(pod),
+        Mesh::Kuma => kuma::decide(pod),
+    }
+}
+
+fn enrol(policy: Policy, hairpin: bool) -> Decision {
+    Decision::Enrol(Box::new(Enrolment { policy, hairpin }))
+}
+
+/// `exclude*Ports: "*"` means nothing of that direction is captured; the policy model spells
+/// that as an empty include list.
+fn apply_port_excludes(p: &mut Policy, inbound: PortSet, outbound: PortSet) {
+    match inbound {
+        PortSet::All => p.include_inbound_ports = PortSet::none(),
+        set => p.exclude_inbound_ports = set,
+    }
+    match outbound {
+        PortSet::All => {
+            p.include_outbound_ip_ranges = CidrSet::Only(Vec::new());
+            p.include_outbound_ports = PortSet::none();
+            p.exclude_outbound_ports = PortSet::none();
+        }
+        set => p.exclude_outbound_ports = set,
+    }
+}
+
+fn union(a: PortSet, extra: &[u16]) -> PortSet {
+    match a {
+        PortSet::All => PortSet::All,
+        PortSet::Only(mut s) => {
+            s.extend(extra);
+            PortSet::Only(s)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,140 @@
+//! ADD: decide, enrol, record; undo the enrolment when the record cannot be written.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+
+use super::{
+    Ctx, Resolved, Uncaptured, args_label, others_sharing, pod_label, require_loaded, resolve,
+    uncaptured,
+};
+use crate::{
+    config::Mesh,
+    dataplane::netns_error,
+    spec::{CniError, code, error::ToCniError, result::empty_result},
+    state::{AttachmentRecord, RECORD_FORMAT, now_unix},
+};
+
+fn mesh_name(m: Mesh) -> &'static str {
+    match m {
+        Mesh::Istio => "istio",
+        Mesh::Linkerd => "linkerd",
+        Mesh::Kuma => "kuma",
+    }
+}
+
+/// Returns the result to print: prevResult unchanged, or an empty result without one.
+pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
+    let output = match &ctx.cfg.prev_result {
+        Some(p) => p.output(ctx.cfg.cni_version),
+        None => empty_result(ctx.cfg.cni_version),
+    };
+    let (cid, ifname) = ctx.env.attachment();
+    let netns = ctx.env.netns.as_deref().unwrap_or_else(|| "".as_ref());
+    // A bad netns is an error whatever the decision: the host's is never a pod's.
+    ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
+
+    let (enrolment, identity, api_ips) = match resolve(ctx) {
+        Ok(Resolved::Skip(reason)) => {
+            tracing::info!("{} not captured: {reason}", args_label(ctx));
+            return Ok(output);
+        }
+        Ok(Resolved::Enrol(e)) => (e.enrolment, e.identity, e.api_ips),
+        Err(Ok(u)) => return uncaptured(ctx, u).map(|()| output),
+        Err(Err(e)) => return Err(e),
+    };
+    let who = pod_label(identity.as_ref(), cid);
+    let mut policy = enrolment.policy;
+    if enrolment.hairpin && policy.pod_ips.is_empty() {
+        policy.pod_ips = match &ctx.cfg.prev_result {
+            Some(p) if !p.ips.is_empty() => p.ips.clone(),
+            _ => api_ips,
+        };
+        if policy.pod_ips.is_empty() {
+            tracing::info!(
+                "{who}: no pod IPs in prevResult or the pod status; enrolling without hairpin"
+            );
+        }
+    } else if !enrolment.hairpin {
+        policy.pod_ips.clear();
+    }
+
+    let fail = |error: CniError| {
+        uncaptured(
+            ctx,
+            Uncaptured {
+                error,
+                identity: identity.clone(),
+            },
+        )
+        .map(|()| output.clone())
+    };
+    if let Err(e) = require_loaded(ctx) {
+        return fail(e);
+    }
+    let previous = ctx.state.read_record(cid, ifname).ok().flatten();
+    let enrolled = match ctx.dp.enroll(netns, &policy, ifname) {
+        Ok(e) => e,
+        Err(e) => {
+            let err = e.to_cni();
+            // Refusals of the input are not outages; FAIL_OPEN does not cover them.
+            if matches!(err.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
+                return Err(err);
+            }
+            return fail(err);
+        }
+    };
+    let record = AttachmentRecord {
+        format: RECORD_FORMAT,
+        network: ctx.cfg.name.clone(),
+        container_id: cid.into(),
+        ifname: ifname.into(),
+        netns: netns.to_path_buf(),
+        netns_cookie: enrolled.netns_cookie,
+        interfaces: enrolled.interfaces.clone(),
+        // podman passes K8S_POD_NAME alone; it still tells the operator which pod this is.
+        pod_name: identity
+            .as_ref()
+            .map(|i| i.name.clone())
+            .or_else(|| ctx.env.args.get("K8S_POD_NAME").map(str::to_owned)),
+        pod_namespace: identity.as_ref().map(|i| i.namespace.clone()),
+        mesh: mesh_name(ctx.cfg.mesh).into(),
+        policy,
+        pin_root: ctx.dp.pin_root().to_path_buf(),
+        created_unix: now_unix(),
+    };
+    if let Err(e) = ctx.state.write_record(&record) {
+        // Keep an enrolment an earlier ADD of this attachment recorded; undo only ours.
+        let ours = previous
+            .as_ref()
+            .is_none_or(|p| p.netns_cookie != enrolled.netns_cookie);
+        if ours
+            && others_sharing(
+                &ctx.state,
+                enrolled.netns_cookie,
+                cid,
+                ifname,
+                &BTreeSet::new(),
+            ) == 0
+            && let Err(u) = ctx.dp.unenroll(enrolled.netns_cookie)
+        {
+            tracing::error!("{who}: rolling back the enrolment failed: {u}");
+        }
+        return fail(e.to_cni());
+    }
+    if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie)
+        && others_sharing(&ctx.state, p.netns_cookie, cid, ifname, &BTreeSet::new()) == 0
+    {
+        // The same attachment in a new netns: the old one is no longer ours.
+        if let Err(e) = ctx.dp.unenroll(p.netns_cookie) {
+            tracing::warn!("{who}: removing the enrolment of its previous netns failed: {e}");
+        }
+    }
+    let _ = ctx.state.remove_marker(cid, ifname);
+    tracing::info!(
+        "{who} captured (netns cookie {}, inbound on [{}])",
+        enrolled.netns_cookie,
+        enrolled.interfaces.join(",")
+    );
+    Ok(output)
+}

@@ -1,0 +1,74 @@
+//! CHECK: the attachment is still what ADD made it: programs loaded, the pod's map entry with
+//! the recorded policy, and the tc program on each recorded interface.
+
+use super::{Ctx, Resolved, pod_label, require_loaded, resolve};
+use crate::{
+    dataplane::{PodEntry, netns_error},
+    spec::{CniError, code, error::ToCniError},
+};
+
+fn failed(msg: String) -> CniError {
+    CniError::new(code::CHECK_FAILED, msg)
+        .details("delete and recreate the pod, or restart the sidestep agent to repair it")
+}
+
+pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
+    let (cid, ifname) = ctx.env.attachment();
+    let netns = ctx.env.netns.as_deref().unwrap_or_else(|| "".as_ref());
+    let cookie = ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
+    let record = ctx.state.read_record(cid, ifname).map_err(|e| e.to_cni())?;
+    let Some(record) = record else {
+        if ctx.state.read_marker(cid, ifname).ok().flatten().is_some() {
+            tracing::warn!("CHECK {cid}/{ifname}: started uncaptured under FAIL_OPEN");
+            return Ok(());
+        }
+        // No record: fine if ADD skipped this pod, which the same inputs decide again.
+        return match resolve(ctx) {
+            Ok(Resolved::Skip(_)) => Ok(()),
+            Ok(Resolved::Enrol(e)) => Err(failed(format!(
+                "{} should be captured but ADD left no record in {}",
+                pod_label(e.identity.as_ref(), cid),
+                ctx.state.root().display()
+            ))),
+            Err(Ok(u)) => Err(u.error),
+            Err(Err(e)) => Err(e),
+        };
+    };
+    require_loaded(ctx)?;
+    if record.netns_cookie != cookie {
+        return Err(failed(format!(
+            "{} is netns cookie {cookie}, but ADD enrolled cookie {}",
+            netns.display(),
+            record.netns_cookie
+        )));
+    }
+    match ctx.dp.pod_entry(cookie, &record.policy) {
+        Ok(PodEntry::Matches) => {}
+        Ok(PodEntry::Missing) => {
+            return Err(failed(format!(
+                "netns cookie {cookie} is not in the pod map under {}",
+                ctx.dp.pin_root().display()
+            )));
+        }
+        Ok(PodEntry::Differs) => {
+            return Err(failed(format!(
+                "the pod map entry of netns cookie {cookie} differs from the recorded policy"
+            )));
+        }
+        Err(e) => return Err(failed(format!("cannot read the pod map: {e}"))),
+    }
+    let attached = ctx.dp.attached_interfaces(cookie);
+    let missing: Vec<_> = record
+        .interfaces
+        .iter()
+        .filter(|i| !attached.contains(i))
+        .cloned()
+        .collect();
+    if !missing.is_empty() {
+        return Err(failed(format!(
+            "the inbound tc program is not attached to [{}] of netns cookie {cookie}",
+            missing.join(", ")
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! GC (CNI 1.1): remove every attachment of this network that the runtime no longer lists.
+//! Errors do not stop it; they are reported together at the end, as the spec asks.
+
+use std::{collections::BTreeSet, path::Path};
+
+use super::{Ctx, others_sharing};
+use crate::spec::{CniError, code};
+
+/// `(containerID, ifname)` from a state file name, for files that no longer decode.
+fn key_from_file(path: &Path) -> Option<(String, String)> {
+    let stem = path.file_stem()?.to_str()?;
+    let (cid, ifname) = stem.split_once('@')?;
+    Some((cid.to_owned(), ifname.to_owned()))
+}
+
+pub fn gc(ctx: &Ctx<'_>) -> Result<(), CniError> {
+    let valid: BTreeSet<(String, String)> = ctx
+        .cfg
+        .valid_attachments
+        .iter()
+        .flatten()
+        .map(|a| (a.container_id.clone(), a.ifname.clone()))
+        .collect();
+    let mut errors = Vec::new();
+    let mut removed = BTreeSet::new();
+    for (path, record) in ctx.state.records() {
+        let r = match record {
+            Ok(r) => r,
+            Err(e) => {
+                if key_from_file(&path).is_some_and(|k| !valid.contains(&k)) {
+                    tracing::warn!("GC removes undecodable record: {e}");
+                    if let Err(e) = ctx.state.remove_path(&path) {
+                        errors.push(e.to_string());
+                    }
+                }
+                continue;
+            }
+        };
+        let key = (r.container_id.clone(), r.ifname.clone());
+        if r.network != ctx.cfg.name || valid.contains(&key) {
+            continue;
+        }
+        removed.insert(key);
+        if others_sharing(
+            &ctx.state,
+            r.netns_cookie,
+            &r.container_id,
+            &r.ifname,
+            &removed,
+        ) == 0
+            && let Err(e) = ctx.dp.unenroll(r.netns_cookie)
+        {
+            errors.push(format!(
+                "{}/{} (netns cookie {}): {e}",
+                r.container_id, r.ifname, r.netns_cookie
+            ));
+            continue;
+        }
+        tracing::info!(
+            "GC removed stale attachment {}/{}",
+            r.container_id,
+            r.ifname
+        );
+        if let Err(e) = ctx.state.remove_path(&path) {
+            errors.push(e.to_string());
+        }
+    }
+    for (path, marker) in ctx.state.markers() {
+        let stale = match &marker {
+            Ok(m) => {
+                m.network == ctx.cfg.name
+                    && !valid.contains(&(m.container_id.clone(), m.ifname.clone()))
+            }
+            Err(_) => key_from_file(&path).is_some_and(|k| !valid.contains(&k)),
+        };
+        if stale && let Err(e) = ctx.state.remove_path(&path) {
+            errors.push(e.to_string());
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(CniError::new(
+            code::CLEANUP_FAILED,
+            format!("GC could not remove {} stale attachment(s)", errors.len()),
+        )
+        .details(errors.join("; ")))
+    }
+}

@@ -1,0 +1,475 @@
+//! The operations end to end through [`crate::plugin::run`], on a fake data path.
+
+use std::{
+    cell::{Cell, RefCell},
+    collections::BTreeMap,
+    io,
+    path::{Path, PathBuf},
+    rc::Rc,
+};
+
+use serde_json::{Value, json};
+use sidestep::{
+    enroll::Enrolled,
+    error::{EnrollError, MapsError, NetnsError},
+    policy::Policy,
+};
+
+use crate::{
+    config::PluginConfig,
+    dataplane::{Dataplane, PodEntry},
+    plugin::{Deps, Outcome, run},
+    podsource::{PodReader, Unavailable},
+    spec::code,
+};
+
+#[derive(Default)]
+struct World {
+    loaded: Cell<bool>,
+    /// netns path -> cookie; "/proc/1/ns/net" is the host.
+    netns: RefCell<BTreeMap<PathBuf, u64>>,
+    pods: RefCell<BTreeMap<u64, Policy>>,
+    links: RefCell<BTreeMap<u64, Vec<String>>>,
+    fail_enroll: Cell<bool>,
+}
+
+struct Fake(Rc<World>, PathBuf);
+
+impl Dataplane for Fake {
+    fn pin_root(&self) -> &Path {
+        &self.1
+    }
+    fn is_loaded(&self) -> bool {
+        self.0.loaded.get()
+    }
+    fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError> {
+        if netns == Path::new("/proc/1/ns/net") {
+            return Err(NetnsError::HostNetns(netns.into()));
+        }
+        self.0
+            .netns
+            .borrow()
+            .get(netns)
+            .copied()
+            .ok_or_else(|| NetnsError::Open {
+                path: netns.into(),
+                source: io::ErrorKind::NotFound.into(),
+            })
+    }
+    fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
+        if !self.is_loaded() {
+            return Err(MapsError::NotLoaded(self.1.clone()).into());
+        }
+        let cookie = self.netns_cookie(netns)?;
+        if self.0.fail_enroll.get() {
+            return Err(MapsError::Full {
+                map: "SIDESTEP_POD",
+                capacity: 1,
+            }
+            .into());
+        }
+        self.0.pods.borrow_mut().insert(cookie, policy.clone());
+        self.0
+            .links
+            .borrow_mut()
+            .insert(cookie, vec![ifname.to_owned()]);
+        Ok(Enrolled {
+            netns_cookie: cookie,
+            entries: policy.to_map_entries(cookie),
+            interfaces: vec![ifname.to_owned()],
+        })
+    }
+    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
+        self.0.links.borrow_mut().remove(&cookie);
+        Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
+    }
+    fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError> {
+        Ok(match self.0.pods.borrow().get(&cookie) {
+            None => PodEntry::Missing,
+            Some(p) if p == policy => PodEntry::Matches,
+            Some(_) => PodEntry::Differs,
+        })
+    }
+    fn attached_interfaces(&self, cookie: u64) -> Vec<String> {
+        self.0
+            .links
+            .borrow()
+            .get(&cookie)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+struct FakeDeps(Rc<World>);
+
+impl Deps for FakeDeps {
+    fn dataplane(&self, cfg: &PluginConfig) -> Box<dyn Dataplane> {
+        Box::new(Fake(self.0.clone(), cfg.pin_root.clone()))
+    }
+    fn pod_reader(&self, _: &PluginConfig) -> Box<dyn PodReader> {
+        Box::new(Unavailable("no API in tests".into()))
+    }
+}
+
+struct Harness {
+    world: Rc<World>,
+    tmp: tempfile::TempDir,
+}
+
+const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
+
+impl Harness {
+    fn new() -> Self {
+        let world = Rc::new(World::default());
+        world.loaded.set(true);
+        world.netns.borrow_mut().insert("/run/netns/a".into(), 101);
+        world.netns.borrow_mut().insert("/run/netns/b".into(), 202);
+        Self {
+            world,
+            tmp: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.tmp.path().join("state")
+    }
+
+    fn conf(&self, extra: Value) -> Value {
+        let mut v = json!({
+            "cniVersion": "1.0.0", "name": "net", "type": "sidestep",
+            "pin_root": "/sys/fs/bpf/fake", "state_dir": self.state_dir(),
+            "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}},
+            "prevResult": {"cniVersion": "1.0.0",
+                "interfaces": [{"name": "eth0", "sandbox": "/run/netns/a"}],
+                "ips": [{"address": "10.0.0.5/24", "interface": 0}]}
+        });
+        for (k, val) in extra.as_object().unwrap() {
+            if val.is_null() {
+                v.as_object_mut().unwrap().remove(k);
+            } else {
+                v[k] = val.clone();
+            }
+        }
+        v
+    }
+
+    fn run(&self, cmd: &str, cid: &str, netns: &str, conf: &Value) -> Outcome {
+        let env: BTreeMap<&str, String> = BTreeMap::from([
+            ("CNI_COMMAND", cmd.to_owned()),
+            ("CNI_CONTAINERID", cid.to_owned()),
+            ("CNI_NETNS", netns.to_owned()),
+            ("CNI_IFNAME", "eth0".to_owned()),
+            ("CNI_PATH", "/opt/cni/bin".to_owned()),
+            (
+                "CNI_ARGS",
+                "IgnoreUnknown=1;K8S_POD_NAME=web;K8S_POD_NAMESPACE=shop".to_owned(),
+            ),
+        ]);
+        run(
+            &|k| env.get(k).cloned().filter(|v| !v.is_empty()),
+            &serde_json::to_vec(conf).unwrap(),
+            &FakeDeps(self.world.clone()),
+        )
+    }
+
+    fn files(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (dir, prefix) in [
+            (self.state_dir(), ""),
+            (self.state_dir().join("failopen"), "failopen/"),
+        ] {
+            if let Ok(rd) = std::fs::read_dir(dir) {
+                out.extend(
+                    rd.flatten()
+                        .filter(|e| e.path().is_file())
+                        .map(|e| format!("{prefix}{}", e.file_name().to_string_lossy())),
+                );
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+fn err_code(o: &Outcome) -> u64 {
+    assert!(!o.success, "expected an error, got {:?}", o.stdout);
+    o.stdout.as_ref().unwrap()["code"].as_u64().unwrap()
+}
+
+#[test]
+fn add_enrols_records_and_passes_prev_result_through() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    assert!(o.success, "{:?}", o.stdout);
+    assert_eq!(o.stdout.unwrap(), conf["prevResult"]);
+    let pods = h.world.pods.borrow();
+    assert_eq!(
+        pods[&101].pod_ips,
+        ["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]
+    );
+    drop(pods);
+    assert_eq!(h.files(), ["c1@eth0.json"]);
+    // Repeated ADD: same state.
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert_eq!(h.world.pods.borrow().len(), 1);
+    assert_eq!(h.files(), ["c1@eth0.json"]);
+    let rec: Value =
+        serde_json::from_slice(&std::fs::read(h.state_dir().join("c1@eth0.json")).unwrap())
+            .unwrap();
+    assert_eq!(rec["netnsCookie"], 101);
+    assert_eq!(rec["podName"], "web");
+    assert_eq!(rec["interfaces"], json!(["eth0"]));
+}
+
+#[test]
+fn add_without_prev_result_prints_an_empty_result() {
+    let h = Harness::new();
+    for v in ["0.3.0", "0.4.0", "1.1.0"] {
+        let conf = h.conf(json!({"cniVersion": v, "prevResult": null}));
+        let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+        assert_eq!(
+            o.stdout.unwrap(),
+            json!({"cniVersion": v, "interfaces": [], "ips": [], "dns": {}})
+        );
+    }
+}
+
+#[test]
+fn skipped_pods_change_nothing() {
+    let h = Harness::new();
+    let conf = h.conf(json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {}}}));
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    assert!(o.success);
+    assert!(h.world.pods.borrow().is_empty() && h.files().is_empty());
+    // CHECK of a skipped pod passes: the same inputs skip it again.
+    assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
+}
+
+#[test]
+fn not_loaded_fails_closed_or_open() {
+    let h = Harness::new();
+    h.world.loaded.set(false);
+    let o = h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})));
+    assert_eq!(err_code(&o), code::TRY_AGAIN_LATER as u64);
+    let msg = o.stdout.unwrap()["msg"].as_str().unwrap().to_owned();
+    assert!(msg.contains("/sys/fs/bpf/fake"), "{msg}");
+    assert!(h.files().is_empty());
+
+    let conf = h.conf(json!({"fail_strategy": "FAIL_OPEN"}));
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    assert!(o.success);
+    assert_eq!(o.stdout.unwrap(), conf["prevResult"]);
+    assert_eq!(h.files(), ["failopen/c1@eth0.json"]);
+    assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
+    assert!(h.run("DEL", "c1", "/run/netns/a", &conf).success);
+    assert!(h.files().is_empty());
+}
+
+#[test]
+fn enrol_failure_fails_open_but_bad_input_does_not() {
+    let h = Harness::new();
+    h.world.fail_enroll.set(true);
+    let o = h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})));
+    assert_eq!(err_code(&o), code::ENROLL_FAILED as u64);
+    let open = h.conf(json!({"fail_strategy": "FAIL_OPEN"}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &open).success);
+    let bad = h.conf(json!({"fail_strategy": "FAIL_OPEN", "runtimeConfig": {
+        "io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS,
+            "traffic.sidecar.istio.io/includeInboundPorts": "70000"}}}));
+    let o = h.run("ADD", "c2", "/run/netns/b", &bad);
+    assert_eq!(err_code(&o), code::BAD_ANNOTATION as u64);
+    assert!(
+        o.stdout.unwrap()["msg"]
+            .as_str()
+            .unwrap()
+            .contains("includeInboundPorts=\"70000\"")
+    );
+}
+
+#[test]
+fn record_failure_rolls_the_enrolment_back() {
+    let h = Harness::new();
+    std::fs::write(h.state_dir(), "not a directory").unwrap();
+    let o = h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})));
+    assert_eq!(err_code(&o), code::STATE as u64);
+    assert!(h.world.pods.borrow().is_empty());
+    assert!(h.world.links.borrow().is_empty());
+}
+
+#[test]
+fn bad_netns_is_refused() {
+    let h = Harness::new();
+    for netns in ["/proc/1/ns/net", "/run/netns/nope"] {
+        let o = h.run("ADD", "c1", netns, &h.conf(json!({})));
+        assert_eq!(err_code(&o), code::INVALID_NETNS as u64, "{netns}");
+        assert_eq!(
+            err_code(&h.run("CHECK", "c1", netns, &h.conf(json!({})))),
+            8
+        );
+    }
+    let o = h.run("ADD", "c1", "", &h.conf(json!({})));
+    assert_eq!(err_code(&o), code::INVALID_ENV as u64);
+    assert!(h.world.pods.borrow().is_empty() && h.files().is_empty());
+}
+
+#[test]
+fn del_is_idempotent_and_survives_missing_pieces() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    // The netns is gone: the record's cookie still finds the enrolment.
+    h.world.netns.borrow_mut().remove(Path::new("/run/netns/a"));
+    assert!(h.run("DEL", "c1", "/run/netns/a", &conf).success);
+    assert!(h.world.pods.borrow().is_empty() && h.files().is_empty());
+    assert!(h.run("DEL", "c1", "/run/netns/a", &conf).success);
+    assert!(h.run("DEL", "c1", "", &conf).success);
+    // No record, netns alive: its cookie is used.
+    assert!(h.run("ADD", "c2", "/run/netns/b", &conf).success);
+    std::fs::remove_file(h.state_dir().join("c2@eth0.json")).unwrap();
+    assert!(h.run("DEL", "c2", "/run/netns/b", &conf).success);
+    assert!(h.world.pods.borrow().is_empty());
+    // Programs gone: still fine.
+    h.world.loaded.set(false);
+    assert!(h.run("DEL", "c3", "/run/netns/b", &conf).success);
+    // A host netns on DEL is never unenrolled, and is not an error.
+    assert!(h.run("DEL", "c4", "/proc/1/ns/net", &conf).success);
+}
+
+#[test]
+fn check_verifies_map_links_and_programs() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
+
+    h.world.links.borrow_mut().insert(101, vec![]);
+    let o = h.run("CHECK", "c1", "/run/netns/a", &conf);
+    assert_eq!(err_code(&o), code::CHECK_FAILED as u64);
+    assert!(
+        o.stdout.unwrap()["msg"]
+            .as_str()
+            .unwrap()
+            .contains("tc program")
+    );
+
+    let p = h.world.pods.borrow_mut().remove(&101).unwrap();
+    let o = h.run("CHECK", "c1", "/run/netns/a", &conf);
+    assert!(
+        o.stdout.unwrap()["msg"]
+            .as_str()
+            .unwrap()
+            .contains("not in the pod map")
+    );
+
+    h.world
+        .pods
+        .borrow_mut()
+        .insert(101, Policy { proxy_uid: 1, ..p });
+    let o = h.run("CHECK", "c1", "/run/netns/a", &conf);
+    assert!(
+        o.stdout.unwrap()["msg"]
+            .as_str()
+            .unwrap()
+            .contains("differs")
+    );
+
+    h.world.loaded.set(false);
+    assert_eq!(
+        err_code(&h.run("CHECK", "c1", "/run/netns/a", &conf)),
+        code::TRY_AGAIN_LATER as u64
+    );
+
+    // An enrolable pod with no record at all.
+    h.world.loaded.set(true);
+    let o = h.run("CHECK", "c9", "/run/netns/b", &conf);
+    assert!(
+        o.stdout.unwrap()["msg"]
+            .as_str()
+            .unwrap()
+            .contains("no record")
+    );
+    // CHECK is not in 0.3.x.
+    let old = h.conf(json!({"cniVersion": "0.3.1", "prevResult": null}));
+    assert_eq!(err_code(&h.run("CHECK", "c1", "/run/netns/a", &old)), 1);
+}
+
+#[test]
+fn gc_removes_what_is_not_listed() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    assert!(h.run("ADD", "keep", "/run/netns/a", &conf).success);
+    assert!(h.run("ADD", "gone", "/run/netns/b", &conf).success);
+    let other = h.conf(json!({"name": "other"}));
+    h.world
+        .netns
+        .borrow_mut()
+        .insert("/run/netns/c".into(), 303);
+    assert!(h.run("ADD", "othernet", "/run/netns/c", &other).success);
+    let gc = h.conf(json!({"cniVersion": "1.1.0", "prevResult": null,
+        "cni.dev/valid-attachments": [{"containerID": "keep", "ifname": "eth0"}]}));
+    let o = h.run("GC", "", "", &gc);
+    assert!(o.success, "{:?}", o.stdout);
+    assert_eq!(h.files(), ["keep@eth0.json", "othernet@eth0.json"]);
+    let pods: Vec<u64> = h.world.pods.borrow().keys().copied().collect();
+    assert_eq!(pods, [101, 303]);
+}
+
+#[test]
+fn shared_netns_stays_enrolled_until_its_last_attachment() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert!(h.run("ADD", "c1b", "/run/netns/a", &conf).success);
+    assert!(h.run("DEL", "c1", "/run/netns/a", &conf).success);
+    assert_eq!(h.world.pods.borrow().len(), 1);
+    assert!(h.run("DEL", "c1b", "/run/netns/a", &conf).success);
+    assert!(h.world.pods.borrow().is_empty());
+}
+
+#[test]
+fn status_and_version() {
+    let h = Harness::new();
+    let conf = h.conf(json!({"cniVersion": "1.1.0", "prevResult": null}));
+    let o = h.run("STATUS", "", "", &conf);
+    assert!(o.success && o.stdout.is_none());
+    h.world.loaded.set(false);
+    assert_eq!(
+        err_code(&h.run("STATUS", "", "", &conf)),
+        code::NOT_AVAILABLE as u64
+    );
+    let o = h.run("VERSION", "", "", &json!({"cniVersion": "0.4.0"}));
+    assert_eq!(o.stdout.unwrap()["cniVersion"], "0.4.0");
+    let o = h.run("VERSION", "", "", &json!("garbage"));
+    assert_eq!(
+        o.stdout.unwrap()["supportedVersions"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+    assert_eq!(
+        err_code(&h.run("BOGUS", "", "", &conf)),
+        code::INVALID_ENV as u64
+    );
+}
+
+#[test]
+fn config_policy_for_workloads_without_kubernetes() {
+    let h = Harness::new();
+    let conf = h.conf(json!({"policy": {"proxyUid": 1500}, "runtimeConfig": null}));
+    let env: BTreeMap<&str, &str> = BTreeMap::from([
+        ("CNI_COMMAND", "ADD"),
+        ("CNI_CONTAINERID", "podman1"),
+        ("CNI_NETNS", "/run/netns/a"),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAME=web"),
+    ]);
+    let o = run(
+        &|k| env.get(k).map(|v| (*v).to_owned()),
+        &serde_json::to_vec(&conf).unwrap(),
+        &FakeDeps(h.world.clone()),
+    );
+    assert!(o.success, "{:?}", o.stdout);
+    assert_eq!(h.world.pods.borrow()[&101].proxy_uid, 1500);
+}

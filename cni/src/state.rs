@@ -1,0 +1,348 @@
+//! Per-attachment records under the state directory. A record is what DEL needs once the netns
+//! is gone (the cookie) and what CHECK and GC compare against; the agent reads them too.
+//!
+//! ```text
+//! <state_dir>/<containerID>@<ifname>.json            one enrolled attachment
+//! <state_dir>/failopen/<containerID>@<ifname>.json   a pod let through uncaptured (FAIL_OPEN)
+//! ```
+//! `@` cannot occur in a container ID, so the name is unambiguous. Records are written to a
+//! temporary file and renamed, so a reader sees the old record or the new one, never half.
+
+use std::{
+    fs::{self, DirBuilder, OpenOptions},
+    io::{self, Write},
+    os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
+    path::{Path, PathBuf},
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use sidestep::policy::Policy;
+
+use crate::spec::{CniError, code, error::ToCniError};
+
+pub const RECORD_FORMAT: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AttachmentRecord {
+    pub format: u32,
+    pub network: String,
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    pub ifname: String,
+    pub netns: PathBuf,
+    pub netns_cookie: u64,
+    /// Interfaces that carry the inbound tc program.
+    pub interfaces: Vec<String>,
+    pub pod_name: Option<String>,
+    pub pod_namespace: Option<String>,
+    pub mesh: String,
+    pub policy: Policy,
+    pub pin_root: PathBuf,
+    pub created_unix: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FailOpenMarker {
+    pub network: String,
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    pub ifname: String,
+    pub pod_name: Option<String>,
+    pub pod_namespace: Option<String>,
+    pub reason: String,
+    pub created_unix: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("cannot create the state directory {path}: {source}")]
+    CreateDir { path: PathBuf, source: io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: io::Error },
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("{path} is not a sidestep record ({reason}); remove it")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("cannot remove {path}: {source}")]
+    Remove { path: PathBuf, source: io::Error },
+}
+
+impl ToCniError for StateError {
+    fn to_cni(&self) -> CniError {
+        CniError::new(code::STATE, self.to_string())
+    }
+}
+
+pub fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub fn file_name(container_id: &str, ifname: &str) -> String {
+    format!("{container_id}@{ifname}.json")
+}
+
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+impl StateDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn record_path(&self, container_id: &str, ifname: &str) -> PathBuf {
+        self.root.join(file_name(container_id, ifname))
+    }
+
+    pub fn failopen_dir(&self) -> PathBuf {
+        self.root.join("failopen")
+    }
+
+    pub fn marker_path(&self, container_id: &str, ifname: &str) -> PathBuf {
+        self.failopen_dir().join(file_name(container_id, ifname))
+    }
+
+    /// Creates `dir` root-only. An existing directory is tightened to 0700: records name pods
+    /// and netns paths, which other users have no business listing.
+    fn ensure_dir(dir: &Path) -> Result<(), StateError> {
+        let err = |source| StateError::CreateDir {
+            path: dir.to_path_buf(),
+            source,
+        };
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(err)?;
+        let meta = fs::metadata(dir).map_err(err)?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), StateError> {
+        let dir = path.parent().unwrap_or(&self.root);
+        Self::ensure_dir(dir)?;
+        let werr = |source| StateError::Write {
+            path: path.to_path_buf(),
+            source,
+        };
+        let tmp = dir.join(format!(
+            ".{}.tmp.{}",
+            path.file_name().unwrap_or_default().to_string_lossy(),
+            std::process::id()
+        ));
+        let body = serde_json::to_vec_pretty(value).map_err(|e| werr(io::Error::other(e)))?;
+        let result = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&body)?;
+            f.sync_all()?;
+            fs::rename(&tmp, path)?;
+            // The rename is durable only once the directory is.
+            fs::File::open(dir)?.sync_all()
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result.map_err(werr)
+    }
+
+    fn read_json<T: DeserializeOwned>(path: &Path) -> Result<Option<T>, StateError> {
+        let text = match fs::read(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(StateError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        };
+        serde_json::from_slice(&text)
+            .map(Some)
+            .map_err(|e| StateError::Corrupt {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })
+    }
+
+    fn remove(path: &Path) -> Result<bool, StateError> {
+        match fs::remove_file(path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(source) => Err(StateError::Remove {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    pub fn write_record(&self, r: &AttachmentRecord) -> Result<(), StateError> {
+        self.write_json(&self.record_path(&r.container_id, &r.ifname), r)
+    }
+
+    pub fn read_record(
+        &self,
+        container_id: &str,
+        ifname: &str,
+    ) -> Result<Option<AttachmentRecord>, StateError> {
+        Self::read_json(&self.record_path(container_id, ifname))
+    }
+
+    pub fn remove_record(&self, container_id: &str, ifname: &str) -> Result<bool, StateError> {
+        Self::remove(&self.record_path(container_id, ifname))
+    }
+
+    pub fn write_marker(&self, m: &FailOpenMarker) -> Result<(), StateError> {
+        self.write_json(&self.marker_path(&m.container_id, &m.ifname), m)
+    }
+
+    pub fn read_marker(
+        &self,
+        container_id: &str,
+        ifname: &str,
+    ) -> Result<Option<FailOpenMarker>, StateError> {
+        Self::read_json(&self.marker_path(container_id, ifname))
+    }
+
+    pub fn remove_marker(&self, container_id: &str, ifname: &str) -> Result<bool, StateError> {
+        Self::remove(&self.marker_path(container_id, ifname))
+    }
+
+    fn list<T: DeserializeOwned>(dir: &Path) -> Vec<(PathBuf, Result<T, StateError>)> {
+        let Ok(entries) = fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        let mut out: Vec<_> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.extension().is_some_and(|x| x == "json")
+                    && !p
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            })
+            .map(|p| {
+                let r = Self::read_json(&p).and_then(|v| {
+                    v.ok_or_else(|| StateError::Read {
+                        path: p.clone(),
+                        source: io::ErrorKind::NotFound.into(),
+                    })
+                });
+                (p, r)
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Every record, with the ones that do not decode reported by path.
+    pub fn records(&self) -> Vec<(PathBuf, Result<AttachmentRecord, StateError>)> {
+        Self::list(&self.root)
+    }
+
+    pub fn markers(&self) -> Vec<(PathBuf, Result<FailOpenMarker, StateError>)> {
+        Self::list(&self.failopen_dir())
+    }
+
+    /// Removes a file found by [`Self::records`] or [`Self::markers`].
+    pub fn remove_path(&self, path: &Path) -> Result<bool, StateError> {
+        Self::remove(path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(cid: &str) -> AttachmentRecord {
+        AttachmentRecord {
+            format: RECORD_FORMAT,
+            network: "net".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+            netns: "/run/netns/x".into(),
+            netns_cookie: 42,
+            interfaces: vec!["eth0".into()],
+            pod_name: Some("web".into()),
+            pod_namespace: Some("default".into()),
+            mesh: "istio".into(),
+            policy: Policy::default(),
+            pin_root: "/sys/fs/bpf/sidestep".into(),
+            created_unix: 1,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_root_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = StateDir::new(tmp.path().join("a/b"));
+        state.write_record(&record("c1")).unwrap();
+        state.write_record(&record("c1")).unwrap();
+        state.write_record(&record("c2")).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(state.root()), 0o700);
+        assert_eq!(mode(&state.record_path("c1", "eth0")), 0o600);
+        assert_eq!(state.read_record("c1", "eth0").unwrap(), Some(record("c1")));
+        assert_eq!(state.records().len(), 2);
+        assert!(state.remove_record("c1", "eth0").unwrap());
+        assert!(!state.remove_record("c1", "eth0").unwrap());
+        assert_eq!(state.read_record("c1", "eth0").unwrap(), None);
+        // No temporary files are left behind.
+        let names: Vec<_> = fs::read_dir(state.root()).unwrap().flatten().collect();
+        assert_eq!(names.len(), 1);
+    }
+
+    #[test]
+    fn loose_directories_are_tightened_and_corrupt_records_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let state = StateDir::new(tmp.path());
+        fs::write(state.record_path("bad", "eth0"), "{").unwrap();
+        state.write_record(&record("ok")).unwrap();
+        assert_eq!(
+            fs::metadata(tmp.path()).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        let e = state.read_record("bad", "eth0").unwrap_err();
+        assert!(matches!(e, StateError::Corrupt { .. }), "{e}");
+        let all = state.records();
+        assert_eq!(all.iter().filter(|(_, r)| r.is_err()).count(), 1);
+    }
+
+    #[test]
+    fn markers_live_apart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = StateDir::new(tmp.path());
+        let m = FailOpenMarker {
+            network: "net".into(),
+            container_id: "c".into(),
+            ifname: "eth0".into(),
+            pod_name: None,
+            pod_namespace: None,
+            reason: "not loaded".into(),
+            created_unix: now_unix(),
+        };
+        state.write_marker(&m).unwrap();
+        assert_eq!(state.read_marker("c", "eth0").unwrap(), Some(m));
+        assert!(state.records().is_empty());
+        assert_eq!(state.markers().len(), 1);
+        assert!(state.remove_marker("c", "eth0").unwrap());
+    }
+}

@@ -1,0 +1,209 @@
+//! `sidestep-cni` as a runtime runs it: found by `type` in CNI_PATH, CNI_* environment, the
+//! network configuration (with prevResult and runtimeConfig) on stdin, a result or a spec error on
+//! stdout. Against real pinned programs in a private cgroup and pin root. Needs root.
+
+// A test target's modules resolve beside it, not in a directory of its name.
+#[path = "cni_plugin/corpus.rs"]
+mod corpus;
+#[path = "cni_plugin/sandbox.rs"]
+mod sandbox;
+
+use std::{fs, os::unix::fs::PermissionsExt, process::Command};
+
+use anyhow::{Result, ensure};
+use serde_json::{Value, json};
+use sidestep_tests::{netns, skip_unless_root};
+
+use sandbox::{Sandbox, bin_dir, call, cni, expect_err, expect_ok, run};
+
+#[test]
+fn lifecycle_add_check_del_gc_status_version() {
+    if skip_unless_root("lifecycle_add_check_del_gc_status_version") {
+        return;
+    }
+    lifecycle().unwrap();
+}
+
+fn lifecycle() -> Result<()> {
+    let mut sb = Sandbox::new("life")?;
+    let a = sb.add_netns("a")?;
+    let conf = sb.conf("1.1.0");
+
+    let v = cni(
+        &sb,
+        &[("CNI_COMMAND", "VERSION")],
+        br#"{"cniVersion":"0.4.0"}"#,
+    )?;
+    expect_ok(&v, "VERSION")?;
+    ensure!(v.json["cniVersion"] == "0.4.0");
+    ensure!(v.json["supportedVersions"] == json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]));
+
+    // Not loaded yet: STATUS says unavailable, ADD says try again later and names pin_root.
+    let status_env = [("CNI_COMMAND", "STATUS")];
+    expect_err(
+        &cni(&sb, &status_env, &serde_json::to_vec(&conf)?)?,
+        50,
+        "STATUS",
+    )?;
+    let o = call(&sb, "ADD", "c1", &a, &conf)?;
+    expect_err(&o, 11, "ADD before load")?;
+    ensure!(
+        o.json["msg"]
+            .as_str()
+            .unwrap()
+            .contains(&*sb.pin_root.to_string_lossy())
+    );
+    ensure!(sb.state_files().is_empty());
+
+    sb.load()?;
+    let o = cni(&sb, &status_env, &serde_json::to_vec(&conf)?)?;
+    expect_ok(&o, "STATUS")?;
+    ensure!(o.json.is_null(), "STATUS prints nothing: {}", o.json);
+
+    let cookie = netns::cookie(&a)?;
+    for round in 0..2 {
+        let o = call(&sb, "ADD", "c1", &a, &conf)?;
+        expect_ok(&o, "ADD")?;
+        ensure!(
+            o.json == conf["prevResult"],
+            "ADD output {} != prevResult",
+            o.json
+        );
+        ensure!(
+            sb.pods()? == [cookie],
+            "round {round}: pods {:?}",
+            sb.pods()?
+        );
+        ensure!(
+            sb.tc_links() == [format!("{cookie}/eth0")],
+            "links {:?}",
+            sb.tc_links()
+        );
+        ensure!(sb.state_files().len() == 1);
+    }
+    let rec_path = sb.state_dir().join("c1@eth0.json");
+    ensure!(fs::metadata(&rec_path)?.permissions().mode() & 0o777 == 0o600);
+    ensure!(fs::metadata(sb.state_dir())?.permissions().mode() & 0o777 == 0o700);
+    let rec: Value = serde_json::from_slice(&fs::read(&rec_path)?)?;
+    ensure!(
+        rec["netnsCookie"] == cookie && rec["podNamespace"] == "shop",
+        "{rec}"
+    );
+    ensure!(rec["policy"]["podIPs"] == json!(["10.254.0.9"]), "{rec}");
+
+    expect_ok(&call(&sb, "CHECK", "c1", &a, &conf)?, "CHECK")?;
+    // Break the attachment behind the plugin's back: CHECK must notice, ADD repairs it.
+    run(Command::new(bin_dir().join("sidestep"))
+        .args(["unenroll", "--netns"])
+        .arg(&a)
+        .arg("--pin-root")
+        .arg(&sb.pin_root))?;
+    let o = call(&sb, "CHECK", "c1", &a, &conf)?;
+    expect_err(&o, 104, "CHECK after unenroll")?;
+    expect_ok(&call(&sb, "ADD", "c1", &a, &conf)?, "ADD repair")?;
+    expect_ok(&call(&sb, "CHECK", "c1", &a, &conf)?, "CHECK repaired")?;
+
+    for _ in 0..2 {
+        let o = call(&sb, "DEL", "c1", &a, &conf)?;
+        expect_ok(&o, "DEL")?;
+        ensure!(o.json.is_null());
+        ensure!(sb.pods()?.is_empty() && sb.tc_links().is_empty() && sb.state_files().is_empty());
+    }
+
+    // DEL after the netns is gone uses the record's cookie.
+    expect_ok(&call(&sb, "ADD", "c1", &a, &conf)?, "ADD")?;
+    sb.del_netns(&a)?;
+    expect_ok(&call(&sb, "DEL", "c1", &a, &conf)?, "DEL without netns")?;
+    ensure!(sb.pods()?.is_empty() && sb.tc_links().is_empty() && sb.state_files().is_empty());
+
+    // GC keeps what the runtime lists and removes the rest.
+    let b = sb.add_netns("b")?;
+    let c = sb.add_netns("c")?;
+    expect_ok(&call(&sb, "ADD", "keep", &b, &conf)?, "ADD keep")?;
+    expect_ok(&call(&sb, "ADD", "stale", &c, &conf)?, "ADD stale")?;
+    let mut gc = conf.clone();
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": "keep", "ifname": "eth0"}]);
+    gc.as_object_mut().unwrap().remove("prevResult");
+    expect_ok(
+        &cni(&sb, &[("CNI_COMMAND", "GC")], &serde_json::to_vec(&gc)?)?,
+        "GC",
+    )?;
+    ensure!(
+        sb.pods()? == [netns::cookie(&b)?],
+        "after GC: {:?}",
+        sb.pods()?
+    );
+    ensure!(sb.state_files().keys().eq(["keep@eth0.json"]));
+
+    // No annotations from the runtime: the pod is read from the (stand-in) Kubernetes API.
+    let pod = json!({
+        "metadata": {"name": "web", "namespace": "shop",
+                     "annotations": {"sidecar.istio.io/status": sandbox::STATUS}},
+        "spec": {"containers": [{"name": "web"}, {"name": "istio-proxy", "args": ["proxy", "sidecar"],
+                 "securityContext": {"runAsUser": 1500, "runAsGroup": 1501}}]},
+        "status": {"podIP": "10.254.0.9"}
+    });
+    let mut api = conf.clone();
+    api.as_object_mut().unwrap().remove("runtimeConfig");
+    api["kubernetes"] = json!({"kubeconfig": sb.api_server(Some(pod))?,
+                               "pod_read_retries": 3, "pod_read_interval_ms": 20});
+    expect_ok(&call(&sb, "ADD", "api", &c, &api)?, "ADD via the API")?;
+    let rec: Value = serde_json::from_slice(&fs::read(sb.state_dir().join("api@eth0.json"))?)?;
+    ensure!(
+        rec["policy"]["proxyUid"] == 1500 && rec["policy"]["proxyGid"] == 1501,
+        "{rec}"
+    );
+    expect_ok(&call(&sb, "CHECK", "api", &c, &api)?, "CHECK via the API")?;
+    expect_ok(&call(&sb, "DEL", "api", &c, &api)?, "DEL via the API")?;
+    // The API is down: the ADD fails after its bounded retries and changes nothing.
+    api["kubernetes"]["kubeconfig"] = json!(sb.api_server(None)?);
+    let before = (sb.pods()?, sb.state_files());
+    let o = call(&sb, "ADD", "api", &c, &api)?;
+    expect_err(&o, 102, "ADD with the API down")?;
+    ensure!(
+        o.json["msg"].as_str().unwrap().contains("after 3 tries"),
+        "{}",
+        o.json
+    );
+    ensure!((sb.pods()?, sb.state_files()) == before);
+
+    // Older versions: prevResult printed back in that version; CHECK refused before 0.4.0.
+    let old = sb.conf("0.3.1");
+    let o = call(&sb, "ADD", "keep", &b, &old)?;
+    expect_ok(&o, "ADD 0.3.1")?;
+    ensure!(o.json == old["prevResult"], "{}", o.json);
+    let v040 = sb.conf("0.4.0");
+    let o = call(&sb, "ADD", "keep", &b, &v040)?;
+    expect_ok(&o, "ADD 0.4.0")?;
+    ensure!(o.json == v040["prevResult"]);
+    expect_ok(&call(&sb, "CHECK", "keep", &b, &v040)?, "CHECK 0.4.0")?;
+
+    // After an uninstall, pods can still be deleted.
+    sb.unload()?;
+    expect_ok(&call(&sb, "DEL", "keep", &b, &conf)?, "DEL after unload")?;
+    ensure!(sb.state_files().is_empty());
+
+    // FAIL_OPEN with nothing loaded: the pod starts, a marker is left for the agent.
+    let mut open = conf.clone();
+    open["fail_strategy"] = json!("FAIL_OPEN");
+    let o = call(&sb, "ADD", "c9", &b, &open)?;
+    expect_ok(&o, "ADD FAIL_OPEN")?;
+    ensure!(o.json == conf["prevResult"]);
+    ensure!(
+        o.stderr.contains("WITHOUT traffic capture") && o.stderr.contains("shop/web"),
+        "{}",
+        o.stderr
+    );
+    ensure!(sb.state_files().keys().eq(["failopen/c9@eth0.json"]));
+    expect_ok(&call(&sb, "DEL", "c9", &b, &open)?, "DEL FAIL_OPEN")?;
+    ensure!(sb.state_files().is_empty());
+    Ok(())
+}
+
+#[test]
+fn bad_input_corpus_changes_nothing() {
+    if skip_unless_root("bad_input_corpus_changes_nothing") {
+        return;
+    }
+    corpus::corpus().unwrap();
+}
