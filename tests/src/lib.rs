@@ -29,6 +29,7 @@ pub mod net;
 pub mod netns;
 pub mod nginx;
 pub mod node;
+pub mod parity;
 pub mod pod;
 pub mod process;
 pub mod sidestep;

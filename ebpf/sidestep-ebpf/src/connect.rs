@@ -80,10 +80,12 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
         bound_src,
         protocol,
     };
-    let Verdict::Redirect { port, kind } = policy::outbound_verdict(&decision) else {
+    let verdict = policy::outbound_verdict(&decision);
+    if verdict.is_pass() {
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
         return;
-    };
+    }
+    let Verdict { port, kind } = verdict;
     let v4 = sidestep_abi::is_v4_mapped(&dst);
     let mut orig = OrigDst {
         addr: dst,

@@ -16,7 +16,7 @@ use sidestep_abi::{OrigDst, flags, is_v4_mapped, linux, redirect_kind, socket_si
 use crate::{
     context::{load, load_ip6, store, store_ip6},
     maps::socket_orig_dst,
-    policy::{self, LOOPBACK4_BE, LOOPBACK6},
+    policy::{self, Connect, LOOPBACK4_BE, LOOPBACK6},
 };
 
 const ALLOW: i32 = 1;
@@ -65,26 +65,44 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
     let Some(pod) = policy::pod_policy(netns_cookie) else {
         return;
     };
-    let uid_gid = bpf_get_current_uid_gid();
-    if pod.flags & flags::DNS_CAPTURE == 0
-        || uid_gid as u32 == pod.proxy_uid
-        || (uid_gid >> 32) as u32 == pod.proxy_gid
-    {
+    if pod.flags & flags::DNS_CAPTURE == 0 {
         return;
     }
-    // SAFETY: 4-byte context fields, one word at a time.
-    let dst = unsafe {
+    // SAFETY: context pointer field.
+    let sk = unsafe { (*sa).__bindgen_anon_1.sk };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: 4-byte context fields and socket fields, one word at a time.
+    let (dst, bound_src) = unsafe {
         if ipv6 {
-            load_ip6(&raw const (*sa).user_ip6)
+            (
+                load_ip6(&raw const (*sa).user_ip6),
+                load_ip6(&raw const (*sk).src_ip6),
+            )
         } else {
-            v4_mapped(load(&raw const (*sa).user_ip4))
+            (
+                v4_mapped(load(&raw const (*sa).user_ip4)),
+                v4_mapped(load(&raw const (*sk).src_ip4)),
+            )
         }
     };
-    let v4 = is_v4_mapped(&dst);
-    // Like the TCP rule: a query to 127.0.0.1 itself (a local resolver) is left alone.
-    if (v4 && dst[3] == LOOPBACK4_BE) || dst == LOOPBACK6 {
+    let uid_gid = bpf_get_current_uid_gid();
+    // The same ISTIO_OUTPUT decision as connect: excluded ports, the proxy's identity, IPv6 off.
+    let verdict = policy::outbound_verdict(&Connect {
+        netns_cookie,
+        policy: &pod,
+        uid: uid_gid as u32,
+        gid: (uid_gid >> 32) as u32,
+        dst,
+        dst_port: 53,
+        bound_src,
+        protocol: linux::IPPROTO_UDP,
+    });
+    if verdict.kind != redirect_kind::DNS {
         return;
     }
+    let v4 = is_v4_mapped(&dst);
     let mut orig = OrigDst {
         addr: dst,
         port_be,
@@ -92,11 +110,6 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         family: if v4 { linux::AF_INET } else { linux::AF_INET6 },
         side: socket_side::CLIENT,
     };
-    // SAFETY: context pointer field.
-    let sk = unsafe { (*sa).__bindgen_anon_1.sk };
-    if sk.is_null() {
-        return;
-    }
     // SAFETY: `sk` is this context's socket.
     let stored = unsafe { socket_orig_dst(sk.cast(), Some(&mut orig)) };
     if stored.is_null() {

@@ -94,15 +94,28 @@ pub fn is_passthrough_source(addr: &[u32; 4]) -> bool {
     }
 }
 
-/// Where a connect goes.
+/// Where a connect goes. A plain struct rather than an enum: every field is always initialised,
+/// so LLVM cannot read a payload register on the pass path, which the verifier rejects.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    Pass,
-    /// Rewrite to loopback at this port; `kind` is a `redirect_kind` value.
-    Redirect {
-        port: u16,
-        kind: u16,
-    },
+pub struct Verdict {
+    /// Loopback port to rewrite to; 0 for pass.
+    pub port: u16,
+    /// A `redirect_kind` value; 0 for pass.
+    pub kind: u16,
+}
+
+impl Verdict {
+    pub const PASS: Self = Self { port: 0, kind: 0 };
+
+    #[inline(always)]
+    pub const fn redirect(port: u16, kind: u16) -> Self {
+        Self { port, kind }
+    }
+
+    #[inline(always)]
+    pub const fn is_pass(&self) -> bool {
+        self.kind == 0
+    }
 }
 
 /// A connect from inside an enrolled netns, as the decision sees it.
@@ -120,79 +133,92 @@ pub struct Connect<'a> {
 }
 
 /// istio-iptables' nat OUTPUT chain (ISTIO_OUTPUT), first match wins; see ISTIO-CAPTURE.md.
+/// The step numbers are the chain's rules; `tests/tests/parity.rs` checks the outcomes against
+/// the real ruleset.
 #[inline(always)]
 pub fn outbound_verdict(c: &Connect) -> Verdict {
     let p = c.policy;
-    let proxy_uid = c.uid == p.proxy_uid;
-    let proxy_gid = c.gid == p.proxy_gid;
-
-    if p.flags & flags::DNS_CAPTURE != 0
-        && c.dst_port == 53
-        && !proxy_uid
-        && !proxy_gid
-        && !is_host_loopback(&c.dst)
-    {
-        return Verdict::Redirect {
-            port: p.dns_port,
-            kind: redirect_kind::DNS,
-        };
-    }
-    if c.protocol != linux::IPPROTO_TCP {
-        return Verdict::Pass;
-    }
+    // istio installs no ip6tables rules at all for a pod without IPv6.
     if !is_v4_mapped(&c.dst) && p.flags & flags::IPV6 == 0 {
-        return Verdict::Pass;
+        return Verdict::PASS;
     }
-    // 1. excluded outbound ports, for everyone.
+    // 1. excluded outbound ports (TCP and UDP), for everyone.
     if p.flags & flags::HAS_OUT_PORT_EXCLUDES != 0
         && port_listed(c.netns_cookie, port_list::OUTBOUND_EXCLUDE, c.dst_port)
     {
-        return Verdict::Pass;
+        return Verdict::PASS;
     }
+    // `-o lo`: the destination is on the pod itself.
     let local_dst =
         is_loopback(&c.dst) || cidr_listed(c.netns_cookie, cidr_list::POD_ADDRESS, &c.dst);
-    if local_dst {
-        // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app.
-        if is_passthrough_source(&c.bound_src) {
-            return Verdict::Pass;
-        }
-        // 3. the proxy calling its own pod (not 127.0.0.1) goes through inbound.
-        if proxy_uid
-            && p.flags & flags::HAIRPIN != 0
-            && !is_host_loopback(&c.dst)
-            && c.dst_port != defaults::TUNNEL_PORT
-        {
-            return Verdict::Redirect {
-                port: p.inbound_port,
-                kind: redirect_kind::INBOUND,
-            };
-        }
-        // 4, 5 and 7: anything else that stays on lo is left alone.
-        return Verdict::Pass;
+    // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
+    // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
+    // before netfilter sees it, so it is not captured either.
+    if (local_dst && is_passthrough_source(&c.bound_src))
+        || (!local_dst && is_v4_mapped(&c.bound_src) && is_loopback(&c.bound_src))
+    {
+        return Verdict::PASS;
     }
-    // 5 and 6: the proxy's own upstream connections.
-    if proxy_uid || proxy_gid || p.flags & flags::OUTBOUND == 0 {
-        return Verdict::Pass;
+    let proxy_uid = c.uid == p.proxy_uid;
+    let proxy_gid = c.gid == p.proxy_gid;
+    let tcp = c.protocol == linux::IPPROTO_TCP;
+    let dns = p.flags & flags::DNS_CAPTURE != 0;
+    let dns_port = dns && c.dst_port == 53;
+    // The hairpin rules: TCP over lo, not to 127.0.0.1, not to the tunnel port.
+    let hairpin = local_dst
+        && tcp
+        && p.flags & flags::HAIRPIN != 0
+        && !is_host_loopback(&c.dst)
+        && c.dst_port != defaults::TUNNEL_PORT;
+    let inbound = Verdict::redirect(p.inbound_port, redirect_kind::INBOUND);
+    // 3. the proxy UID calling its own pod goes through inbound (with DNS capture, not port 53).
+    if proxy_uid && hairpin && !dns_port {
+        return inbound;
     }
-    // 8. excludeOutboundIPRanges.
+    // 4. anything else on lo that is not the proxy UID is left alone (the app calling
+    // localhost); with DNS capture only TCP to ports other than 53, the rest goes on to DNS.
+    let lo_return = local_dst && (!dns || (tcp && c.dst_port != 53));
+    if lo_return && !proxy_uid {
+        return Verdict::PASS;
+    }
+    // 5. the proxy UID's own connections.
+    if proxy_uid {
+        return Verdict::PASS;
+    }
+    // 6. the same hairpin for the proxy GID; reached over lo only by what rule 4 let through,
+    // i.e. with DNS capture, TCP to port 53. (7, lo and not the GID, cannot match any more.)
+    if proxy_gid && hairpin {
+        return inbound;
+    }
+    // 8. the proxy GID's own connections.
+    if proxy_gid {
+        return Verdict::PASS;
+    }
+    // 9. DNS capture: port 53 (TCP and UDP) from anyone else, wherever it goes.
+    if dns_port {
+        return Verdict::redirect(p.dns_port, redirect_kind::DNS);
+    }
+    // Only TCP is redirected from here on.
+    if !tcp || p.flags & flags::OUTBOUND == 0 {
+        return Verdict::PASS;
+    }
+    // 10. -d 127.0.0.1 returns; every other destination on lo has returned above.
+    // 11. excludeOutboundIPRanges.
     if p.flags & flags::HAS_OUT_CIDR_EXCLUDES != 0
         && cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_EXCLUDE, &c.dst)
     {
-        return Verdict::Pass;
+        return Verdict::PASS;
     }
-    let redirect = Verdict::Redirect {
-        port: p.outbound_port,
-        kind: redirect_kind::OUTBOUND,
-    };
-    // 9. includeOutboundPorts.
+    let redirect = Verdict::redirect(p.outbound_port, redirect_kind::OUTBOUND);
+    // 12. includeOutboundPorts.
     if p.flags & flags::HAS_OUT_PORT_INCLUDES != 0
         && port_listed(c.netns_cookie, port_list::OUTBOUND_INCLUDE, c.dst_port)
     {
         return redirect;
     }
-    // 10. includeOutboundIPRanges.
+    // 13. includeOutboundIPRanges.
     if cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_INCLUDE, &c.dst) {
         return redirect;
     }
-    Verdict::Pass
+    Verdict::PASS
 }

@@ -49,11 +49,6 @@ unsafe fn handle(ctx: &SockoptContext) {
     if sk.is_null() {
         return;
     }
-    // SAFETY: 4-byte context field. The kernel already ran its own handler (conntrack, if loaded);
-    // a connection it answered for is left alone.
-    if unsafe { load(&raw const (*so).retval) } == 0 {
-        return;
-    }
     // SAFETY: valid sockopt context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // SAFETY: `sk` is this context's socket, checked non-null.
@@ -65,8 +60,17 @@ unsafe fn handle(ctx: &SockoptContext) {
     };
     // SAFETY: non-null storage of this socket, copied out.
     let orig = (!orig.is_null()).then(|| unsafe { *orig });
+    // Our record comes first: conntrack, if some rule loaded it, would name our own listener.
     let Some(orig) = orig.filter(|o| o.family == want_family) else {
-        // Not ours: outside the mesh keep the kernel's answer; inside, answer as conntrack would.
+        // SAFETY: 4-byte context field and socket field.
+        let (retval, sk_family) =
+            unsafe { (load(&raw const (*so).retval), load(&raw const (*sk).family)) };
+        // Leave alone what the kernel answered itself, and SOL_IPV6 on an IPv4 socket, which the
+        // kernel refuses (EOPNOTSUPP) before netfilter would be asked.
+        if retval == 0 || (level == linux::SOL_IPV6 && sk_family == u32::from(linux::AF_INET)) {
+            return;
+        }
+        // Not redirected: outside the mesh keep the kernel's error; inside, netfilter's ENOENT.
         if policy::pod_policy(netns_cookie).is_some() {
             policy::count(netns_cookie, |c| c.orig_dst_misses += 1);
             // SAFETY: writable context field.

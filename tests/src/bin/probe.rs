@@ -2,20 +2,22 @@
 //! reports (peer, local address, SO_ORIGINAL_DST) as JSON lines, so tests assert exact values.
 //!
 //! ```text
-//! probe connect ADDR [--http]        connect, print {"peer","local"[,"status"]}
+//! probe connect ADDR [--http] [--bind ADDR] [--timeout-ms N]
+//!     connect (from a socket bound to --bind first, if given; within N ms, default 5000) and
+//!     print {"peer","local","status"}, or {"error","errno"} when the connect fails
 //! probe udp-serve ADDR               answer every datagram with "reply to <sender>"
 //! probe udp-query ADDR [--connect]   send one datagram, print {"from","reply"}
-//! probe proxy ADDR REPORT [--no-forward]
-//!     accept forever; per connection append {"peer","local","orig_v4","orig_v6"} to REPORT
-//!     (`-` for stdout) and
-//!     (unless --no-forward) relay to the original destination, asking SOL_IP then SOL_IPV6 as
-//!     Envoy does
+//! probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only]
+//!     listen on every ADDR (IPv6 ones with IPV6_V6ONLY under --v6only) and accept forever; per
+//!     connection append {"listener","peer","local","orig_v4","orig_v6"} to REPORT (`-` for
+//!     stdout) and (unless --no-forward) relay to the original destination, asking SOL_IP then
+//!     SOL_IPV6 as Envoy does
 //! ```
 
 use std::{
     io::{Read, Write},
     net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream},
-    os::fd::AsRawFd,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
     time::Duration,
 };
 
@@ -48,7 +50,12 @@ fn original_dst(sock: &TcpStream, level: libc::c_int) -> Result<SocketAddr, i32>
         libc::AF_INET6 => {
             let mut a = [0u8; 16];
             a.copy_from_slice(&buf[8..24]);
-            Ok(SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(a), port, 0, 0)))
+            Ok(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(a),
+                port,
+                0,
+                0,
+            )))
         }
         _ => Err(-family),
     }
@@ -61,11 +68,145 @@ fn json_result(r: &Result<SocketAddr, i32>) -> String {
     }
 }
 
-fn connect(addr: SocketAddr, http: bool) -> i32 {
-    let sock = match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+/// `addr` as a sockaddr_in or sockaddr_in6, with its length.
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain data; all zero is a valid value.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than, and aligned for, sockaddr_in.
+            unsafe { std::ptr::write((&raw mut ss).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than, and aligned for, sockaddr_in6.
+            unsafe { std::ptr::write((&raw mut ss).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+fn check(rc: libc::c_int) -> std::io::Result<libc::c_int> {
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+/// A new TCP socket of `addr`'s family.
+fn tcp_socket(addr: SocketAddr, flags: libc::c_int) -> std::io::Result<OwnedFd> {
+    let domain = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain system call; the descriptor is owned right away.
+    let fd =
+        check(unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags, 0) })?;
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn set_int(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: `value` is a live c_int and its size is passed.
+    check(unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    })
+    .map(drop)
+}
+
+fn bind(fd: RawFd, addr: SocketAddr) -> std::io::Result<()> {
+    let (ss, len) = sockaddr(addr);
+    // SAFETY: `ss` holds a sockaddr of length `len`.
+    check(unsafe { libc::bind(fd, (&raw const ss).cast(), len) }).map(drop)
+}
+
+/// Connects a socket (bound to `source` first, if given) to `addr` within `timeout`.
+fn open_connected(
+    addr: SocketAddr,
+    source: Option<SocketAddr>,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    let sock = tcp_socket(addr, libc::SOCK_NONBLOCK)?;
+    let fd = sock.as_raw_fd();
+    if let Some(source) = source {
+        bind(fd, source)?;
+    }
+    let (ss, len) = sockaddr(addr);
+    // SAFETY: `ss` holds a sockaddr of length `len`.
+    if let Err(e) = check(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }) {
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd.
+        if check(unsafe { libc::poll(&raw mut pfd, 1, ms) })? == 0 {
+            return Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT));
+        }
+        let mut err: libc::c_int = 0;
+        let mut elen = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `err` and `elen` are valid for writes of the given size.
+        check(unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ERROR,
+                (&raw mut err).cast(),
+                &raw mut elen,
+            )
+        })?;
+        if err != 0 {
+            return Err(std::io::Error::from_raw_os_error(err));
+        }
+    }
+    let stream = TcpStream::from(sock);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
+fn connect(addr: SocketAddr, http: bool, source: Option<SocketAddr>, timeout: Duration) -> i32 {
+    let sock = match open_connected(addr, source, timeout) {
         Ok(s) => s,
         Err(e) => {
-            println!("{{\"error\":\"{e}\",\"errno\":{}}}", e.raw_os_error().unwrap_or(-1));
+            println!(
+                "{{\"error\":\"{e}\",\"errno\":{}}}",
+                e.raw_os_error().unwrap_or(-1)
+            );
             return 1;
         }
     };
@@ -103,19 +244,26 @@ fn relay(client: TcpStream, upstream: SocketAddr) {
     let _ = up.join();
 }
 
-fn proxy(addr: SocketAddr, report: &str, forward: bool) -> i32 {
-    let listener = match TcpListener::bind(addr) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("probe: bind {addr}: {e}");
-            return 1;
-        }
-    };
+/// A listening socket on `addr`; an IPv6 one accepts only IPv6 under `v6only`.
+fn listen(addr: SocketAddr, v6only: bool) -> std::io::Result<TcpListener> {
+    let sock = tcp_socket(addr, 0)?;
+    let fd = sock.as_raw_fd();
+    set_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    if addr.is_ipv6() {
+        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, i32::from(v6only))?;
+    }
+    bind(fd, addr)?;
+    // SAFETY: plain system call on an open socket.
+    check(unsafe { libc::listen(fd, 128) })?;
+    Ok(TcpListener::from(sock))
+}
+
+fn serve(listener: TcpListener, name: String, report: String, forward: bool) {
     for conn in listener.incoming().flatten() {
         let v4 = original_dst(&conn, libc::SOL_IP);
         let v6 = original_dst(&conn, libc::SOL_IPV6);
         let line = format!(
-            "{{\"peer\":\"{}\",\"local\":\"{}\",\"orig_v4\":{},\"orig_v6\":{}}}\n",
+            "{{\"listener\":\"{name}\",\"peer\":\"{}\",\"local\":\"{}\",\"orig_v4\":{},\"orig_v6\":{}}}\n",
             conn.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
             conn.local_addr().map(|a| a.to_string()).unwrap_or_default(),
             json_result(&v4),
@@ -125,7 +273,11 @@ fn proxy(addr: SocketAddr, report: &str, forward: bool) -> i32 {
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(line.as_bytes());
             let _ = out.flush();
-        } else if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(report) {
+        } else if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&report)
+        {
             let _ = f.write_all(line.as_bytes());
         }
         match (forward, v4.or(v6)) {
@@ -137,6 +289,29 @@ fn proxy(addr: SocketAddr, report: &str, forward: bool) -> i32 {
                 let _ = c.write_all(b"probe\n");
             }
         }
+    }
+}
+
+fn proxy(addrs: &[SocketAddr], report: &str, forward: bool, v6only: bool) -> i32 {
+    let mut listeners = Vec::new();
+    for addr in addrs {
+        match listen(*addr, v6only) {
+            Ok(l) => listeners.push((l, addr.to_string())),
+            Err(e) => {
+                eprintln!("probe: bind {addr}: {e}");
+                return 1;
+            }
+        }
+    }
+    let threads: Vec<_> = listeners
+        .into_iter()
+        .map(|(l, name)| {
+            let report = report.to_string();
+            std::thread::spawn(move || serve(l, name, report, forward))
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
     }
     0
 }
@@ -154,7 +329,13 @@ fn udp_serve(addr: SocketAddr) -> i32 {
 }
 
 fn udp_query(addr: SocketAddr, connect: bool) -> i32 {
-    let bind: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal");
+    let bind: SocketAddr = if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    }
+    .parse()
+    .expect("literal");
     let Ok(sock) = std::net::UdpSocket::bind(bind) else {
         return 1;
     };
@@ -184,22 +365,53 @@ fn udp_query(addr: SocketAddr, connect: bool) -> i32 {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let addr = |i: usize| -> SocketAddr {
-        args.get(i)
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("probe: argument {i} must be an address: {args:?}"))
+    let parse = |text: &str| -> SocketAddr {
+        text.parse()
+            .unwrap_or_else(|_| panic!("probe: {text:?} is not an address: {args:?}"))
     };
+    let addr = |i: usize| -> SocketAddr { parse(args.get(i).map(String::as_str).unwrap_or("")) };
+    let option = |name: &str| -> Option<&str> {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .map(String::as_str)
+    };
+    let flag = |name: &str| args.iter().any(|a| a == name);
     let code = match args.first().map(String::as_str) {
-        Some("connect") => connect(addr(1), args.iter().any(|a| a == "--http")),
+        Some("connect") => {
+            let timeout = option("--timeout-ms")
+                .map(|ms| ms.parse().expect("probe: --timeout-ms takes milliseconds"))
+                .unwrap_or(5000);
+            connect(
+                addr(1),
+                flag("--http"),
+                option("--bind").map(parse),
+                Duration::from_millis(timeout),
+            )
+        }
         Some("udp-serve") => udp_serve(addr(1)),
-        Some("udp-query") => udp_query(addr(1), args.iter().any(|a| a == "--connect")),
-        Some("proxy") => proxy(
-            addr(1),
-            args.get(2).expect("report path"),
-            !args.iter().any(|a| a == "--no-forward"),
-        ),
+        Some("udp-query") => udp_query(addr(1), flag("--connect")),
+        Some("proxy") => {
+            let addrs: Vec<SocketAddr> = args
+                .get(1)
+                .map(String::as_str)
+                .unwrap_or("")
+                .split(',')
+                .map(parse)
+                .collect();
+            proxy(
+                &addrs,
+                args.get(2).expect("report path"),
+                !flag("--no-forward"),
+                flag("--v6only"),
+            )
+        }
         _ => {
-            eprintln!("usage: probe connect ADDR [--http] | probe proxy ADDR REPORT [--no-forward]");
+            eprintln!(
+                "usage: probe connect ADDR [--http] [--bind ADDR] [--timeout-ms N] | \
+                 probe udp-serve ADDR | probe udp-query ADDR [--connect] | \
+                 probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only]"
+            );
             2
         }
     };
