@@ -80,17 +80,17 @@ pub fn write_entries(
     entries: &MapEntries,
 ) -> Result<(), MapsError> {
     let previous = maps.pods.get(&netns_cookie, 0).ok();
-    if previous.is_none() && maps.pod_capacity > 0 {
-        let used = maps.pods.keys().filter(Result::is_ok).count() as u32;
-        if used >= maps.pod_capacity {
-            return Err(MapsError::Full {
-                map: map_names::POD_POLICY,
-                capacity: maps.pod_capacity,
-            });
-        }
-    }
-    let old_ports: HashSet<PortKey> = port_keys(maps, netns_cookie).into_iter().collect();
-    let old_cidrs: Vec<(u32, CidrKey)> = cidr_keys(maps, netns_cookie);
+    // Netns cookies are never reused while the system runs, so a first enrolment has no old
+    // entries to reconcile: skip the map scans that would make ADD cost grow with the node's pods.
+    // A full pod map is reported by the kernel (E2BIG) on the counter or pod insert below.
+    let (old_ports, old_cidrs): (HashSet<PortKey>, Vec<(u32, CidrKey)>) = if previous.is_some() {
+        (
+            port_keys(maps, netns_cookie).into_iter().collect(),
+            cidr_keys(maps, netns_cookie),
+        )
+    } else {
+        (HashSet::new(), Vec::new())
+    };
     let mut added_ports = Vec::new();
     let mut added_cidrs = Vec::new();
     let result = (|| {
@@ -116,7 +116,13 @@ pub fn write_entries(
                 .map_err(|e| classify(map_names::POD_ADDRESSES, 0, e))?;
         }
         if previous.is_none() {
-            maps.zero_counters(netns_cookie)?;
+            maps.zero_counters(netns_cookie).map_err(|e| match e {
+                MapsError::Full { .. } => MapsError::Full {
+                    map: map_names::POD_POLICY,
+                    capacity: maps.pod_capacity,
+                },
+                other => other,
+            })?;
         }
         maps.pods
             .insert(netns_cookie, entries.pod, 0)
@@ -142,7 +148,9 @@ pub fn write_entries(
     for (bits, data) in old_cidrs.iter().filter(|c| !entries.cidrs.contains(c)) {
         let _ = maps.cidrs.remove(&Key::new(*bits, *data));
     }
-    remove_addresses(maps, netns_cookie, &entries.addresses);
+    if previous.is_some() {
+        remove_addresses(maps, netns_cookie, &entries.addresses);
+    }
     Ok(())
 }
 
