@@ -90,6 +90,9 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
 /// Programs attached per pod (inside its netns) rather than at the cgroup.
 pub const POD_PROGRAMS: [&str; 1] = [program_names::TC_INGRESS];
 
+/// Programs attached to a map rather than a hook.
+pub const MAP_PROGRAMS: [&str; 1] = [program_names::SK_MSG];
+
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub cgroup: PathBuf,
@@ -133,6 +136,7 @@ fn load_program(program: &mut Program, name: &'static str) -> Result<(), LoadErr
         Program::SockOps(p) => p.load(),
         Program::CgroupSockopt(p) => p.load(),
         Program::SchedClassifier(p) => p.load(),
+        Program::SkMsg(p) => p.load(),
         _ => Err(ProgramError::UnexpectedProgramType),
     };
     result.map_err(|source| LoadError::ProgramLoad { name, source })
@@ -187,14 +191,43 @@ fn load_inner(
     let mut ebpf = loader.load(object).map_err(LoadError::Object)?;
 
     // Load every program before touching any link, so a verifier rejection changes nothing.
-    for name in CGROUP_PROGRAMS.iter().map(|s| s.name).chain(POD_PROGRAMS) {
+    for name in CGROUP_PROGRAMS
+        .iter()
+        .map(|s| s.name)
+        .chain(POD_PROGRAMS)
+        .chain(MAP_PROGRAMS)
+    {
         let program = ebpf
             .program_mut(name)
             .ok_or(LoadError::MissingProgram(name))?;
         load_program(program, name)?;
     }
-    // Per-pod programs are pinned only; enrolment attaches them inside each pod netns.
-    for name in POD_PROGRAMS {
+    // sk_msg runs on the sockets of the sockhash; attaching again replaces the old program.
+    let sockets = layout.map(map_names::SOCKETS);
+    let sockets_map = aya::maps::MapData::from_pin(&sockets).map_err(|e| LoadError::Pin {
+        path: sockets.clone(),
+        source: std::io::Error::other(e),
+    })?;
+    let sk_msg = ebpf
+        .program(program_names::SK_MSG)
+        .ok_or(LoadError::MissingProgram(program_names::SK_MSG))?;
+    let sk_msg_fd = sk_msg.fd().map_err(|source| LoadError::ProgramLoad {
+        name: program_names::SK_MSG,
+        source,
+    })?;
+    sys::prog_attach(
+        sk_msg_fd.as_fd(),
+        sockets_map.fd().as_fd(),
+        bpf_attach_type::BPF_SK_MSG_VERDICT,
+    )
+    .map_err(|source| LoadError::Attach {
+        name: program_names::SK_MSG,
+        cgroup: sockets.clone(),
+        source,
+    })?;
+    // Per-pod and per-map programs are pinned only (for bpftool and status); enrolment attaches
+    // the tc program inside each pod netns.
+    for name in POD_PROGRAMS.into_iter().chain(MAP_PROGRAMS) {
         let program = ebpf
             .program_mut(name)
             .ok_or(LoadError::MissingProgram(name))?;

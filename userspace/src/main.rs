@@ -110,6 +110,9 @@ struct PolicyArgs {
     /// Leave IPv6 outbound uncaptured (istio-iptables' behaviour for pods without IPv6).
     #[arg(long)]
     no_ipv6: bool,
+    /// App <-> proxy data on loopback goes socket to socket (sk_msg).
+    #[arg(long)]
+    sk_msg: bool,
     /// The pod's own address (repeatable), for hairpin detection.
     #[arg(long = "pod-ip")]
     pod_ips: Vec<std::net::IpAddr>,
@@ -153,6 +156,7 @@ impl PolicyArgs {
             p.exclude_inbound_ports = policy::parse_port_set("--exclude-inbound-ports", v)?;
         }
         p.dns_capture |= self.dns_capture;
+        p.sk_msg |= self.sk_msg;
         if self.no_ipv6 {
             p.capture_ipv6 = false;
         }

@@ -12,7 +12,7 @@ use serde::Serialize;
 use sidestep_abi::{Counters, PodPolicy, flags};
 
 use crate::{
-    loader::{CGROUP_PROGRAMS, POD_PROGRAMS},
+    loader::{CGROUP_PROGRAMS, MAP_PROGRAMS, POD_PROGRAMS},
     maps::PolicyMaps,
     mounts,
     pins::PinLayout,
@@ -74,6 +74,7 @@ pub struct CounterSummary {
     pub dns_redirected: u64,
     pub orig_dst_hits: u64,
     pub orig_dst_misses: u64,
+    pub sk_msg_redirects: u64,
 }
 
 impl From<Counters> for CounterSummary {
@@ -86,6 +87,7 @@ impl From<Counters> for CounterSummary {
             dns_redirected: c.dns_redirected,
             orig_dst_hits: c.orig_dst_hits,
             orig_dst_misses: c.orig_dst_misses,
+            sk_msg_redirects: c.sk_msg_redirects,
         }
     }
 }
@@ -99,6 +101,7 @@ pub fn summarize_policy(p: &PodPolicy) -> PolicySummary {
         (flags::DNS_CAPTURE, "dns"),
         (flags::TPROXY, "tproxy"),
         (flags::IPV6, "ipv6"),
+        (flags::SK_MSG, "sk_msg"),
         (flags::HAS_OUT_PORT_EXCLUDES, "excluded-outbound-ports"),
         (flags::HAS_OUT_PORT_INCLUDES, "included-outbound-ports"),
         (flags::HAS_OUT_CIDR_EXCLUDES, "excluded-outbound-ranges"),
@@ -139,7 +142,12 @@ pub fn collect(pin_root: &Path) -> Status {
     let layout = PinLayout::new(pin_root);
     let mut programs = Vec::new();
     let mut attachments = Vec::new();
-    for name in CGROUP_PROGRAMS.iter().map(|s| s.name).chain(POD_PROGRAMS) {
+    for name in CGROUP_PROGRAMS
+        .iter()
+        .map(|s| s.name)
+        .chain(POD_PROGRAMS)
+        .chain(MAP_PROGRAMS)
+    {
         if let Ok(info) = ProgramInfo::from_pin(layout.program(name)) {
             programs.push(ProgramStatus {
                 name: name.to_string(),
@@ -250,14 +258,15 @@ impl Status {
             );
             let _ = writeln!(
                 out,
-                "      redirected out {} in {} dns {}  passed out {} in {}  original-dst hits {} misses {}",
+                "      redirected out {} in {} dns {}  passed out {} in {}  original-dst hits {} misses {}  sk_msg {}",
                 c.redirected_outbound,
                 c.redirected_inbound,
                 c.dns_redirected,
                 c.passed_outbound,
                 c.passed_inbound,
                 c.orig_dst_hits,
-                c.orig_dst_misses
+                c.orig_dst_misses,
+                c.sk_msg_redirects
             );
         }
         out

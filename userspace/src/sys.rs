@@ -48,6 +48,20 @@ pub fn cgroup_link_create(
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// BPF_PROG_ATTACH of `prog` to `target` (for sk_msg, the sockhash). The attachment lives as long
+/// as the target; attaching again replaces the program.
+pub fn prog_attach(
+    prog: BorrowedFd<'_>,
+    target: BorrowedFd<'_>,
+    attach_type: bpf_attach_type,
+) -> io::Result<()> {
+    let mut attr = zeroed_attr();
+    attr.__bindgen_anon_5.__bindgen_anon_1.target_fd = target.as_raw_fd() as u32;
+    attr.__bindgen_anon_5.attach_bpf_fd = prog.as_raw_fd() as u32;
+    attr.__bindgen_anon_5.attach_type = attach_type as u32;
+    bpf(bpf_cmd::BPF_PROG_ATTACH, &mut attr).map(drop)
+}
+
 /// Atomically swaps the program behind a link: no moment exists where neither runs.
 pub fn link_update(link: BorrowedFd<'_>, new_prog: BorrowedFd<'_>) -> io::Result<()> {
     let mut attr = zeroed_attr();

@@ -15,7 +15,9 @@ pub mod map_names {
     pub const SOCKET_ORIG_DST: &str = "SIDESTEP_ORIG";
     pub const PENDING_ORIG_DST: &str = "SIDESTEP_PEND";
     pub const POD_ADDRESSES: &str = "SIDESTEP_ADDRS";
-    pub const ALL: [&str; 7] = [
+    pub const SOCKETS: &str = "SIDESTEP_SOCKS";
+    pub const ALL: [&str; 8] = [
+        SOCKETS,
         POD_ADDRESSES,
         POD_POLICY,
         PORT_RULES,
@@ -39,6 +41,7 @@ pub mod program_names {
     pub const SENDMSG6: &str = "sidestep_sendmsg6";
     pub const RECVMSG4: &str = "sidestep_recvmsg4";
     pub const RECVMSG6: &str = "sidestep_recvmsg6";
+    pub const SK_MSG: &str = "sidestep_sk_msg";
 }
 
 /// Default capacities. Userspace may override them at load time.
@@ -50,6 +53,8 @@ pub mod capacity {
     pub const CIDR_RULES: u32 = 65536;
     /// Tuples between the client's SYN and the proxy's accept. Entries live for one handshake.
     pub const PENDING: u32 = 65536;
+    /// App and proxy sockets of local redirected connections, for sk_msg (two per connection).
+    pub const SOCKETS: u32 = 65536;
 }
 
 pub mod defaults {
@@ -86,6 +91,8 @@ pub mod flags {
     pub const HAIRPIN: u32 = 1 << 8;
     /// Capture IPv6 outbound too. Istio captures IPv6 only when the pod has an IPv6 address.
     pub const IPV6: u32 = 1 << 9;
+    /// App <-> proxy data on loopback goes socket to socket with sk_msg, skipping the TCP stack.
+    pub const SK_MSG: u32 = 1 << 10;
 }
 
 /// Per-pod policy, keyed by network-namespace cookie (`u64`).
@@ -206,6 +213,8 @@ pub struct Counters {
     pub dns_redirected: u64,
     pub orig_dst_hits: u64,
     pub orig_dst_misses: u64,
+    /// Messages sk_msg handed straight to the peer socket.
+    pub sk_msg_redirects: u64,
 }
 
 impl Counters {
@@ -217,6 +226,7 @@ impl Counters {
         self.dns_redirected += other.dns_redirected;
         self.orig_dst_hits += other.orig_dst_hits;
         self.orig_dst_misses += other.orig_dst_misses;
+        self.sk_msg_redirects += other.sk_msg_redirects;
     }
 }
 
@@ -277,7 +287,7 @@ mod tests {
         assert_eq!(align_of::<CidrKey>(), 4);
         assert_eq!(size_of::<OrigDst>(), 24);
         assert_eq!(size_of::<TupleKey>(), 48);
-        assert_eq!(size_of::<Counters>(), 56);
+        assert_eq!(size_of::<Counters>(), 64);
     }
 
     #[test]

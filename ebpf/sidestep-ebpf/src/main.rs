@@ -9,6 +9,7 @@ mod inbound;
 mod maps;
 mod peername;
 mod policy;
+mod skmsg;
 mod sockops;
 mod sockopt;
 

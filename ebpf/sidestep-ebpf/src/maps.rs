@@ -1,7 +1,7 @@
 //! Every map the programs share. BTF map definitions, so `bpftool map dump` prints field names.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage},
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage, SockHash},
     macros::btf_map,
 };
 use sidestep_abi::{CidrKey, Counters, OrigDst, PodPolicy, PortKey, TupleKey, capacity};
@@ -37,6 +37,12 @@ pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 #[btf_map]
 pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
     LruHashMap::new();
+
+/// Both ends of each local app <-> proxy connection of a pod with sk_msg on, keyed by the
+/// connection as that socket sees it (`client_*` = local end). The kernel removes a socket when
+/// it closes.
+#[btf_map]
+pub static SIDESTEP_SOCKS: SockHash<TupleKey, { capacity::SOCKETS as usize }> = SockHash::new();
 
 /// Looks up (and with `init`, creates) the original destination stored on any socket pointer the
 /// verifier accepts for sk_storage: the `sk` of a sock_addr, sock_ops or sockopt context.

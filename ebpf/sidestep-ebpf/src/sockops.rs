@@ -9,18 +9,19 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, bpf_sock_ops,
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_TCP_CLOSE, bpf_sock_ops,
     },
     helpers::generated::bpf_get_netns_cookie,
     macros::sock_ops,
     programs::SockOpsContext,
 };
-use sidestep_abi::{OrigDst, TupleKey, linux, socket_side, v4_mapped};
+use sidestep_abi::{OrigDst, TupleKey, flags, linux, redirect_kind, socket_side, v4_mapped};
 
 use crate::{
     context::{load, load_ip6},
-    maps::{SIDESTEP_PEND, socket_orig_dst},
+    maps::{SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
 };
 
 #[sock_ops]
@@ -46,6 +47,10 @@ unsafe fn handle(ctx: &SockOpsContext) {
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {
             // SAFETY: forwarded from our caller.
             unsafe { on_accepted(ctx) }
+        }
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
+            // SAFETY: forwarded from our caller.
+            unsafe { on_established(ctx) }
         }
         BPF_SOCK_OPS_STATE_CB => {
             // SAFETY: args[1] is the new state for STATE_CB.
@@ -176,5 +181,72 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
         // SAFETY: non-null storage of this socket; overwrite a value left from an earlier claim.
         unsafe { *stored = orig };
         let _ = SIDESTEP_PEND.remove(key);
+        if orig.kind == redirect_kind::OUTBOUND {
+            // SAFETY: forwarded from our caller.
+            unsafe {
+                add_to_sockhash(
+                    ctx,
+                    key.netns_cookie,
+                    local,
+                    local_port,
+                    remote,
+                    remote_port,
+                )
+            };
+        }
     }
+}
+
+/// The app's redirected socket is connected to its proxy: with sk_msg on, join the sockhash.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_established(ctx: &SockOpsContext) {
+    // SAFETY: forwarded from our caller.
+    let sk = unsafe { full_socket(ctx.ops) };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: `sk` is this context's full socket.
+    let orig = unsafe { socket_orig_dst(sk, None) };
+    // SAFETY: non-null storage, read in place.
+    if orig.is_null() || unsafe { (*orig).kind } != redirect_kind::OUTBOUND {
+        return;
+    }
+    // SAFETY: forwarded from our caller.
+    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    // SAFETY: forwarded from our caller.
+    unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
+}
+
+/// # Safety
+/// `ctx` must be a live sock_ops context on a full socket.
+#[inline(always)]
+unsafe fn add_to_sockhash(
+    ctx: &SockOpsContext,
+    netns_cookie: u64,
+    local: [u32; 4],
+    local_port: u16,
+    remote: [u32; 4],
+    remote_port: u16,
+) {
+    let Some(pod) = crate::policy::pod_policy(netns_cookie) else {
+        return;
+    };
+    if pod.flags & flags::SK_MSG == 0 {
+        return;
+    }
+    let key = TupleKey {
+        netns_cookie,
+        client_addr: local,
+        server_addr: remote,
+        client_port: local_port,
+        server_port: remote_port,
+        _reserved: 0,
+    };
+    // SAFETY: `ctx.ops` is the live sock_ops context the helper needs.
+    let _ = SIDESTEP_SOCKS.update(key, unsafe { &mut *ctx.ops }, 0);
 }
