@@ -353,7 +353,7 @@ impl Policy {
         let mut cidrs = Vec::new();
         match &self.include_outbound_ip_ranges {
             CidrSet::All => {
-                f |= flags::OUTBOUND;
+                f |= flags::OUTBOUND | flags::OUTBOUND_ALL_RANGES;
                 cidrs.push(cidr_entry(
                     netns_cookie,
                     cidr_list::OUTBOUND_INCLUDE,
@@ -371,6 +371,7 @@ impl Policy {
             }
         }
         if matches!(self.include_outbound_ports, PortSet::All) {
+            f |= flags::OUTBOUND_ALL_RANGES;
             cidrs.push(cidr_entry(
                 netns_cookie,
                 cidr_list::OUTBOUND_INCLUDE,
@@ -396,11 +397,6 @@ impl Policy {
             }
             CidrSet::Only(_) => {}
         }
-        cidrs.extend(
-            self.pod_ips
-                .iter()
-                .map(|ip| cidr_entry(netns_cookie, cidr_list::POD_ADDRESS, &IpNet::from(*ip))),
-        );
         if self.dns_capture {
             f |= flags::DNS_CAPTURE;
         }

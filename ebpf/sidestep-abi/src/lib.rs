@@ -93,6 +93,8 @@ pub mod flags {
     pub const IPV6: u32 = 1 << 9;
     /// App <-> proxy data on loopback goes socket to socket with sk_msg, skipping the TCP stack.
     pub const SK_MSG: u32 = 1 << 10;
+    /// includeOutboundIPRanges is `*`: the include trie need not be consulted.
+    pub const OUTBOUND_ALL_RANGES: u32 = 1 << 11;
 }
 
 /// Per-pod policy, keyed by network-namespace cookie (`u64`).
@@ -129,8 +131,6 @@ pub struct PortKey {
 pub mod cidr_list {
     pub const OUTBOUND_EXCLUDE: u32 = 0;
     pub const OUTBOUND_INCLUDE: u32 = 1;
-    /// The pod's own addresses (host routes), used for hairpin detection.
-    pub const POD_ADDRESS: u32 = 2;
 }
 
 /// Bits of `CidrKey` that precede the address: cookie (64) and list (32).

@@ -6,7 +6,7 @@ use sidestep_abi::{
     is_v4_mapped, linux, port_list, redirect_kind,
 };
 
-use crate::maps::{SIDESTEP_CIDRS, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_STATS};
+use crate::maps::{SIDESTEP_ADDRS, SIDESTEP_CIDRS, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_STATS};
 
 /// `127.0.0.1` in network byte order.
 pub const LOOPBACK4_BE: u32 = 0x7f00_0001_u32.to_be();
@@ -49,6 +49,13 @@ pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
         CidrKey::new(netns_cookie, list, bytes),
     );
     SIDESTEP_CIDRS.get(&key).is_some()
+}
+
+/// Whether `addr` is one of this pod's own addresses (one hash lookup).
+#[inline(always)]
+pub fn is_pod_address(netns_cookie: u64, addr: &[u32; 4]) -> bool {
+    // SAFETY: the value is read at once.
+    unsafe { SIDESTEP_ADDRS.get(addr) }.is_some_and(|owner| *owner == netns_cookie)
 }
 
 /// Adds to this pod's counters on the current CPU. Pods are enrolled with a zeroed entry.
@@ -149,8 +156,7 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
         return Verdict::PASS;
     }
     // `-o lo`: the destination is on the pod itself.
-    let local_dst =
-        is_loopback(&c.dst) || cidr_listed(c.netns_cookie, cidr_list::POD_ADDRESS, &c.dst);
+    let local_dst = is_loopback(&c.dst) || is_pod_address(c.netns_cookie, &c.dst);
     // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
     // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
     // before netfilter sees it, so it is not captured either.
@@ -216,8 +222,10 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     {
         return redirect;
     }
-    // 13. includeOutboundIPRanges.
-    if cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_INCLUDE, &c.dst) {
+    // 13. includeOutboundIPRanges; `*` needs no lookup.
+    if p.flags & flags::OUTBOUND_ALL_RANGES != 0
+        || cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_INCLUDE, &c.dst)
+    {
         return redirect;
     }
     Verdict::PASS

@@ -90,20 +90,14 @@ fn json_accepts_strings_and_arrays() {
 }
 
 #[test]
-fn pod_ips_are_host_routes() {
+fn pod_ips_become_address_entries() {
     let p = Policy {
         pod_ips: vec!["10.9.8.7".parse().unwrap(), "fd00::7".parse().unwrap()],
         ..Policy::default()
     };
     let e = p.to_map_entries(3);
-    let pods: Vec<u32> = e
-        .cidrs
-        .iter()
-        .filter(|(_, k)| k.list_be == cidr_list::POD_ADDRESS.to_be())
-        .map(|(bits, _)| *bits)
-        .collect();
-    assert_eq!(
-        pods,
-        vec![CIDR_KEY_FIXED_BITS + 128, CIDR_KEY_FIXED_BITS + 128]
-    );
+    assert_eq!(e.addresses.len(), 2);
+    assert_eq!(e.addresses[0], [0, 0, 0xffff_u32.to_be(), u32::from_ne_bytes([10, 9, 8, 7])]);
+    assert_eq!(e.addresses[1][3], u32::from_ne_bytes([0, 0, 0, 7]));
+    assert_ne!(e.pod.flags & flags::OUTBOUND_ALL_RANGES, 0);
 }

@@ -1,0 +1,194 @@
+//! `/metrics`: Prometheus text (OpenMetrics) built from the data path at each scrape.
+//!
+//! - per pod, from the per-CPU `SIDESTEP_STATS` map summed over CPUs, labelled with the pod's
+//!   namespace and name from the plugin's record (empty when it has none) and its netns cookie;
+//! - per program, run count and run time, when `kernel.bpf_stats_enabled` is 1;
+//! - the agent's own work: CNI config writes, records added and removed (the plugin's ADDs and
+//!   DELs as seen in its state directory), FAIL_OPEN pods, GC, repairs, reconcile errors.
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+use sidestep_abi::Counters as PodCounters;
+
+use super::{pods, reconcile::Report};
+use crate::{maps::PolicyMaps, status};
+
+/// What the agent counts itself.
+#[derive(Debug, Default)]
+pub struct AgentCounters {
+    pub cni_config_writes: AtomicU64,
+    pub cni_adds_observed: AtomicU64,
+    pub cni_dels_observed: AtomicU64,
+    pub gc_collected: AtomicU64,
+    pub repaired: AtomicU64,
+    pub reconcile_errors: AtomicU64,
+    pub reconciles: AtomicU64,
+    pub kubeconfig_writes: AtomicU64,
+    pub binary_installs: AtomicU64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PodLabels {
+    namespace: String,
+    pod: String,
+    netns_cookie: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProgLabels {
+    program: String,
+}
+
+pub fn bpf_stats_enabled() -> bool {
+    std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").is_ok_and(|s| s.trim() == "1")
+}
+
+fn counter(reg: &mut Registry, name: &str, help: &str, v: u64) {
+    let c = Counter::<u64>::default();
+    c.inc_by(v);
+    reg.register(name, help, c);
+}
+
+fn gauge(reg: &mut Registry, name: &str, help: &str, v: i64) {
+    let g = Gauge::<i64>::default();
+    g.set(v);
+    reg.register(name, help, g);
+}
+
+type PodFamily = Family<PodLabels, Counter>;
+
+const POD_COUNTERS: [(&str, &str, fn(&PodCounters) -> u64); 7] = [
+    ("sidestep_pod_redirected_outbound", "Outbound connections sent to the proxy", |c| {
+        c.redirected_outbound
+    }),
+    ("sidestep_pod_redirected_inbound", "Inbound connections handed to the proxy", |c| {
+        c.redirected_inbound
+    }),
+    ("sidestep_pod_passed_outbound", "Outbound connections left alone by the policy", |c| {
+        c.passed_outbound
+    }),
+    ("sidestep_pod_passed_inbound", "Inbound connections left alone by the policy", |c| {
+        c.passed_inbound
+    }),
+    ("sidestep_pod_dns_redirected", "DNS queries sent to the DNS proxy", |c| c.dns_redirected),
+    ("sidestep_pod_orig_dst_hits", "SO_ORIGINAL_DST answered from sidestep's record", |c| {
+        c.orig_dst_hits
+    }),
+    ("sidestep_pod_orig_dst_misses", "SO_ORIGINAL_DST asked for an unredirected socket", |c| {
+        c.orig_dst_misses
+    }),
+];
+
+/// The whole exposition.
+pub fn render(
+    pin_root: &Path,
+    state_dir: &Path,
+    ready: bool,
+    report: &Report,
+    counters: &AgentCounters,
+) -> String {
+    let mut reg = Registry::default();
+    let st = status::collect(pin_root);
+    gauge(&mut reg, "sidestep_ready", "1 when /readyz is ready", i64::from(ready));
+    gauge(
+        &mut reg,
+        "sidestep_programs_attached",
+        "Cgroup attachments (links) in place",
+        st.attachments.len() as i64,
+    );
+    gauge(
+        &mut reg,
+        "sidestep_pod_capacity",
+        "Slots in the pod map",
+        i64::from(st.pod_capacity),
+    );
+    gauge(
+        &mut reg,
+        "sidestep_pods_enrolled",
+        "Pods in the pod map",
+        st.pods.len() as i64,
+    );
+    gauge(
+        &mut reg,
+        "sidestep_pods_unenrolled",
+        "Running pod netns not enrolled at the last reconcile",
+        report.unenrolled.len() as i64,
+    );
+    gauge(
+        &mut reg,
+        "sidestep_cni_failopen_pods",
+        "Pods the plugin let through uncaptured (FAIL_OPEN markers)",
+        pods::failopen_markers(state_dir) as i64,
+    );
+    let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    for (name, help, v) in [
+        ("sidestep_cni_config_writes", "Writes of the CNI configuration (insertions and repairs)", &counters.cni_config_writes),
+        ("sidestep_cni_adds_observed", "Attachment records the plugin created (its ADDs)", &counters.cni_adds_observed),
+        ("sidestep_cni_dels_observed", "Attachment records the plugin removed (its DELs)", &counters.cni_dels_observed),
+        ("sidestep_gc_attachments", "Attachments removed because their netns was gone", &counters.gc_collected),
+        ("sidestep_repaired_pods", "Running pods enrolled in place by repair", &counters.repaired),
+        ("sidestep_reconcile_errors", "Errors during reconcile", &counters.reconcile_errors),
+        ("sidestep_reconciles", "Reconcile runs", &counters.reconciles),
+        ("sidestep_kubeconfig_writes", "Writes of the plugin's kubeconfig", &counters.kubeconfig_writes),
+        ("sidestep_cni_binary_installs", "Installs of the plugin binary", &counters.binary_installs),
+    ] {
+        counter(&mut reg, name, help, c(v));
+    }
+
+    let by_cookie: BTreeMap<u64, pods::Record> = pods::records(state_dir)
+        .into_values()
+        .map(|r| (r.netns_cookie, r))
+        .collect();
+    if let Ok(maps) = PolicyMaps::open(pin_root) {
+        let families: Vec<PodFamily> = POD_COUNTERS.iter().map(|_| PodFamily::default()).collect();
+        for (cookie, _) in maps.pods() {
+            let totals = maps.counters(cookie);
+            let record = by_cookie.get(&cookie);
+            let labels = PodLabels {
+                namespace: record.and_then(|r| r.pod_namespace.clone()).unwrap_or_default(),
+                pod: record.and_then(|r| r.pod_name.clone()).unwrap_or_default(),
+                netns_cookie: cookie.to_string(),
+            };
+            for (family, (_, _, get)) in families.iter().zip(POD_COUNTERS) {
+                family.get_or_create(&labels).inc_by(get(&totals));
+            }
+        }
+        for (family, (name, help, _)) in families.into_iter().zip(POD_COUNTERS) {
+            reg.register(name, help, family);
+        }
+    }
+
+    if bpf_stats_enabled() {
+        let runs = Family::<ProgLabels, Counter>::default();
+        let time = Family::<ProgLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+        for p in &st.programs {
+            let l = ProgLabels {
+                program: p.name.clone(),
+            };
+            runs.get_or_create(&l).inc_by(p.run_count);
+            time.get_or_create(&l).inc_by(p.run_time_ns as f64 / 1e9);
+        }
+        reg.register(
+            "sidestep_program_runs",
+            "Program runs (kernel.bpf_stats_enabled=1)",
+            runs,
+        );
+        reg.register(
+            "sidestep_program_run_seconds",
+            "Time spent in the program (kernel.bpf_stats_enabled=1)",
+            time,
+        );
+    }
+    let mut out = String::new();
+    let _ = encode(&mut out, &reg);
+    out
+}
