@@ -31,6 +31,7 @@ pub mod nginx;
 pub mod node;
 pub mod parity;
 pub mod pod;
+pub mod podman;
 pub mod process;
 pub mod sidestep;
 mod subnet;

@@ -1,0 +1,972 @@
+//! Podman as a real CNI runtime: pods made by `podman pod create --network <conflist>` with
+//! podman's CNI backend, in a private configuration, with containers that run from a tiny
+//! rootfs built in the env's scratch directory (busybox-static, plus the host's HAProxy and curl
+//! with the shared libraries they need), so no image is pulled. The app client is curl: the
+//! static busybox's `wget` crashes in glibc's static NSS even for a numeric address.
+//!
+//! The configuration is the one MACHINE.md lists as working here, and nothing of the host's
+//! podman setup is read or written:
+//! - `CONTAINERS_CONF` is a private containers.conf: `network_backend = "cni"`, the test's
+//!   plugin directories before /usr/lib/cni, a private `network_config_dir`, `cgroupfs`,
+//!   `runc`, file events and file locks, and private `tmp_dir`/`static_dir`/`volume_path`;
+//! - `CONTAINERS_STORAGE_CONF` is a private storage.conf: the `vfs` driver (no overlay mounts)
+//!   with graphroot and runroot in the scratch directory;
+//! - every call passes `--runtime runc` (crun refuses hybrid cgroups) and every `podman run`
+//!   `--ulimit host`. The infra container takes no `--ulimit`, so containers.conf also sets
+//!   `default_ulimits` to values at or below the current hard limits: podman's own defaults
+//!   (1048576) cannot be set without CAP_SYS_RESOURCE. Note that with `default_ulimits` set,
+//!   podman applies them even to `--ulimit host` containers;
+//! - pods get `--cgroup-parent` = the env's cgroup, so the cgroup programs the test attached
+//!   there apply to every container of the pod.
+//!
+//! What podman gives a chained plugin: `K8S_POD_NAME` only (no namespace, no runtimeConfig)
+//! and a prevResult, so sidestep-cni needs a `policy` object in its config to enrol the pod.
+//!
+//! Dropping [`Podman`] removes every pod and container of the private storage, then whatever
+//! podman left behind when it failed half-way: network namespaces, libcni result caches, host
+//! mounts under the scratch directory, and the cgroup v1 directories runc made for the cgroup
+//! parent (the cgroup2 subtree goes with the env's cgroup). Declare it after the
+//! [`crate::Node`] and [`crate::sidestep::Loaded`] so that it drops first.
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use nix::mount::{MntFlags, umount2};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+use crate::cgroup::cgroup2_mount;
+use crate::env::TestEnv;
+use crate::haproxy::{self, SidecarConfig};
+use crate::net::listening_sockets;
+use crate::netns;
+use crate::sweep::pid_of_id;
+use crate::util::{pid_alive, poll, tail};
+
+/// A podman call killed after this long is reported as hung.
+const PODMAN_TIMEOUT: Duration = Duration::from_secs(90);
+/// PATH for podman and the tools the rootfs is built from.
+const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// libcni's result cache (podman's CNI backend keeps the default).
+const CNI_CACHE: &str = "/var/lib/cni/results";
+/// busybox applets linked in the rootfs.
+const APPLETS: &[&str] = &["sh", "sleep", "cat", "true", "false", "id", "ls", "echo"];
+/// Rlimits for every container (see the module docs); lowered to the hard limits when those
+/// are smaller.
+const DEFAULT_RLIMIT: u64 = 4096;
+
+/// Why podman cannot be used here (it is not installed), or None.
+pub fn missing() -> Option<String> {
+    match which("podman") {
+        Some(_) => None,
+        None => Some(format!(
+            "podman is not installed (not found in {PATH}); `cargo xtask setup` installs it"
+        )),
+    }
+}
+
+/// The first executable `name` in [`PATH`].
+fn which(name: &str) -> Option<PathBuf> {
+    PATH.split(':').map(|d| Path::new(d).join(name)).find(|p| {
+        fs::metadata(p)
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    })
+}
+
+/// A pod made by `podman pod create`, started, so its netns has gone through CNI ADD.
+#[derive(Clone, Debug)]
+pub struct PodmanPod {
+    pub name: String,
+    pub id: String,
+    /// The infra container: its ID is libcni's CNI_CONTAINERID.
+    pub infra_id: String,
+    /// `/run/netns/netns-<uuid>`, made by podman.
+    pub netns_path: PathBuf,
+    pub network: String,
+    pub ipv4: Ipv4Addr,
+    /// The pod's cgroup relative to the cgroup2 mount, e.g. `/sidestep-test-<id>/<pod id>`.
+    pub cgroup_path: String,
+}
+
+impl PodmanPod {
+    /// The pod's netns cookie, the key of sidestep's maps.
+    pub fn netns_cookie(&self) -> Result<u64> {
+        netns::cookie(&self.netns_path)
+    }
+}
+
+/// A private podman configuration in the env's scratch directory; see the module docs.
+#[derive(Debug)]
+pub struct Podman {
+    dir: PathBuf,
+    conf: PathBuf,
+    storage_conf: PathBuf,
+    net_dir: PathBuf,
+    rootfs: PathBuf,
+    /// The env's cgroup relative to the cgroup2 mount.
+    cgroup_parent: String,
+    /// Everything made here, for cleanup when a test fails half-way.
+    pods: Mutex<Vec<PodmanPod>>,
+}
+
+impl Podman {
+    /// Writes the private configuration and builds the rootfs. `plugin_dirs` come before
+    /// /usr/lib/cni in `cni_plugin_dirs` (e.g. the directory where `sidestep` is sidestep-cni).
+    pub fn new(env: &TestEnv, plugin_dirs: &[PathBuf]) -> Result<Self> {
+        let dir = env.tmp_dir().join("podman");
+        let net_dir = dir.join("cni.d");
+        for d in ["root", "runroot", "tmp", "home", "tmpfiles", "cni.d"] {
+            fs::create_dir_all(dir.join(d)).with_context(|| format!("mkdir {d}"))?;
+        }
+        let mount = cgroup2_mount()?;
+        let rel = env
+            .cgroup_path()
+            .strip_prefix(&mount)
+            .context("the env's cgroup is not under the cgroup2 mount")?;
+        let cgroup_parent = format!("/{}", rel.display());
+
+        let mut dirs: Vec<String> = plugin_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        dirs.push(crate::cni::DEBIAN_CNI_DIR.into());
+        let quoted = |v: &[String]| v.iter().map(|s| toml_str(s)).collect::<Vec<_>>().join(", ");
+        let nofile = DEFAULT_RLIMIT.min(hard_limit(libc::RLIMIT_NOFILE));
+        let nproc = DEFAULT_RLIMIT.min(hard_limit(libc::RLIMIT_NPROC));
+        let p = |s: &str| toml_str(&dir.join(s).display().to_string());
+        let conf = format!(
+            r#"# sidestep tests: a private podman configuration (see tests/src/podman.rs).
+[containers]
+log_driver = "k8s-file"
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
+
+[network]
+network_backend = "cni"
+cni_plugin_dirs = [{plugin_dirs}]
+network_config_dir = {net_dir}
+
+[engine]
+cgroup_manager = "cgroupfs"
+runtime = "runc"
+events_logger = "file"
+lock_type = "file"
+tmp_dir = {tmp}
+static_dir = {static_dir}
+volume_path = {volumes}
+"#,
+            plugin_dirs = quoted(&dirs),
+            net_dir = toml_str(&net_dir.display().to_string()),
+            tmp = p("tmp"),
+            static_dir = p("root/libpod"),
+            volumes = p("root/volumes"),
+        );
+        let storage = format!(
+            "[storage]\ndriver = \"vfs\"\ngraphroot = {}\nrunroot = {}\n",
+            p("root"),
+            p("runroot")
+        );
+        let conf_path = dir.join("containers.conf");
+        let storage_conf = dir.join("storage.conf");
+        fs::write(&conf_path, conf).context("write containers.conf")?;
+        fs::write(&storage_conf, storage).context("write storage.conf")?;
+        let rootfs = dir.join("rootfs");
+        build_rootfs(&rootfs)?;
+        Ok(Self {
+            dir,
+            conf: conf_path,
+            storage_conf,
+            net_dir,
+            rootfs,
+            cgroup_parent,
+            pods: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The rootfs every container runs from (`--rootfs`).
+    pub fn rootfs(&self) -> &Path {
+        &self.rootfs
+    }
+
+    /// The private containers.conf (`CONTAINERS_CONF`).
+    pub fn containers_conf(&self) -> &Path {
+        &self.conf
+    }
+
+    /// The cgroup parent of every pod, relative to the cgroup2 mount.
+    pub fn cgroup_parent(&self) -> &str {
+        &self.cgroup_parent
+    }
+
+    /// Runs `podman ARGS` with the private configuration; returns its output whatever the exit.
+    pub fn output(&self, args: &[&str]) -> Result<Output> {
+        let mut cmd = Command::new("podman");
+        cmd.arg("--runtime")
+            .arg("runc")
+            .args(args)
+            .env_clear()
+            .env("PATH", PATH)
+            .env("HOME", self.dir.join("home"))
+            .env("TMPDIR", self.dir.join("tmpfiles"))
+            .env("CONTAINERS_CONF", &self.conf)
+            .env("CONTAINERS_STORAGE_CONF", &self.storage_conf)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        run_timeout(cmd, PODMAN_TIMEOUT).with_context(|| format!("podman {}", args.join(" ")))
+    }
+
+    /// Runs `podman ARGS`; fails with its stderr when it exits non-zero. Returns stdout.
+    pub fn podman(&self, args: &[&str]) -> Result<String> {
+        let out = self.output(args)?;
+        if !out.status.success() {
+            bail!(
+                "`podman {}` failed ({}): {}{}",
+                args.join(" "),
+                out.status,
+                tail(&String::from_utf8_lossy(&out.stderr), 4000).trim(),
+                tail(&String::from_utf8_lossy(&out.stdout), 1000).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Writes `conflist` (e.g. [`crate::Node::conflist`]) into the network config dir and
+    /// checks that podman lists the network. Returns its name.
+    pub fn add_network(&self, conflist: &Value) -> Result<String> {
+        let name = conflist["name"]
+            .as_str()
+            .context("conflist has no name")?
+            .to_owned();
+        let path = self.net_dir.join(format!("{name}.conflist"));
+        fs::write(&path, serde_json::to_vec_pretty(conflist)?)
+            .with_context(|| format!("write {}", path.display()))?;
+        let listed = self.podman(&["network", "ls", "--format", "{{.Name}}"])?;
+        ensure!(
+            listed.lines().any(|l| l.trim() == name),
+            "podman does not list network {name}: {listed}"
+        );
+        Ok(name)
+    }
+
+    /// `podman pod create --network <network> --cgroup-parent <env cgroup>`, then
+    /// `podman pod start`, which runs the CNI chain (ADD) for the pod's netns.
+    pub fn create_pod(&self, name: &str, network: &str) -> Result<PodmanPod> {
+        self.podman(&[
+            "pod",
+            "create",
+            "--name",
+            name,
+            "--network",
+            network,
+            "--cgroup-parent",
+            &self.cgroup_parent,
+        ])?;
+        // Recorded before it starts, so that a failed start is still removed.
+        lock(&self.pods).push(PodmanPod {
+            name: name.into(),
+            id: String::new(),
+            infra_id: String::new(),
+            netns_path: PathBuf::new(),
+            network: network.into(),
+            ipv4: Ipv4Addr::UNSPECIFIED,
+            cgroup_path: String::new(),
+        });
+        let started = self.podman(&["pod", "start", name]);
+        // Whatever happened, learn the IDs and the netns for cleanup.
+        let info = self.inspect_pod(name, network);
+        if let Ok(info) = &info {
+            for p in lock(&self.pods).iter_mut().filter(|p| p.name == name) {
+                *p = info.clone();
+            }
+        }
+        started.with_context(|| format!("starting podman pod {name}"))?;
+        let pod = info?;
+        ensure!(
+            pod.netns_path.exists(),
+            "pod {name}: netns {} does not exist",
+            pod.netns_path.display()
+        );
+        Ok(pod)
+    }
+
+    fn inspect_pod(&self, name: &str, network: &str) -> Result<PodmanPod> {
+        let pod = first(serde_json::from_str(
+            &self.podman(&["pod", "inspect", name])?,
+        )?);
+        let id = pod["Id"].as_str().context("pod inspect: Id")?.to_owned();
+        let infra_id = pod["InfraContainerID"]
+            .as_str()
+            .context("pod inspect: InfraContainerID")?
+            .to_owned();
+        let cgroup_path = pod["CgroupPath"].as_str().unwrap_or_default().to_owned();
+        let infra = self.inspect(&infra_id)?;
+        let ns = &infra["NetworkSettings"];
+        let netns_path = PathBuf::from(ns["SandboxKey"].as_str().unwrap_or_default());
+        let ipv4 = ns["Networks"][network]["IPAddress"]
+            .as_str()
+            .unwrap_or_default()
+            .parse()
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+        Ok(PodmanPod {
+            name: name.into(),
+            id,
+            infra_id,
+            netns_path,
+            network: network.into(),
+            ipv4,
+            cgroup_path,
+        })
+    }
+
+    /// `podman inspect <container>`: the container's JSON object.
+    pub fn inspect(&self, container: &str) -> Result<Value> {
+        let v: Value =
+            serde_json::from_str(&self.podman(&["inspect", "--type", "container", container])?)?;
+        Ok(first(v))
+    }
+
+    /// The host pid of a running container's main process.
+    pub fn pid(&self, container: &str) -> Result<u32> {
+        let v = self.inspect(container)?;
+        match v["State"]["Pid"].as_u64() {
+            Some(p) if p > 0 => Ok(p as u32),
+            _ => bail!("container {container} is not running: {}", v["State"]),
+        }
+    }
+
+    /// `podman run -d --pod <pod> --name <name> --user uid:gid --ulimit host --rootfs <rootfs>
+    /// ARGV`. Returns the container ID.
+    pub fn run_detached(
+        &self,
+        pod: &PodmanPod,
+        name: &str,
+        uid: u32,
+        gid: u32,
+        argv: &[&str],
+    ) -> Result<String> {
+        let user = format!("{uid}:{gid}");
+        let rootfs = self.rootfs.display().to_string();
+        let mut args = vec![
+            "run", "-d", "--pod", &pod.name, "--name", name, "--user", &user, "--ulimit", "host",
+            "--rootfs", &rootfs,
+        ];
+        args.extend_from_slice(argv);
+        Ok(self.podman(&args)?.trim().to_owned())
+    }
+
+    /// `podman exec --user uid:uid <container> ARGV`; returns the output whatever the exit.
+    pub fn exec(&self, container: &str, uid: u32, argv: &[&str]) -> Result<Output> {
+        let user = format!("{uid}:{uid}");
+        let mut args = vec!["exec", "--user", &user, container];
+        args.extend_from_slice(argv);
+        self.output(&args)
+    }
+
+    /// GETs `url` with curl run as `uid` in `container`. Fails on a curl error or an HTTP
+    /// status >= 400.
+    pub fn http_get(&self, container: &str, uid: u32, url: &str) -> Result<String> {
+        let argv = [
+            "curl",
+            "--max-time",
+            "5",
+            "-sS",
+            "-g",
+            "--fail-with-body",
+            "--noproxy",
+            "*",
+            url,
+        ];
+        let out = self.exec(container, uid, &argv)?;
+        let body = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            bail!(
+                "curl {url} in container {container} as uid {uid} failed ({}): {} {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim(),
+                tail(&body, 1000)
+            );
+        }
+        Ok(body)
+    }
+
+    /// What the container wrote to stdout and stderr so far (`podman logs`).
+    pub fn logs(&self, container: &str) -> Result<String> {
+        let out = self.output(&["logs", container])?;
+        Ok(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+
+    /// `podman stop -t 0`: SIGKILL now, and wait for the exit.
+    pub fn stop(&self, container: &str) -> Result<()> {
+        self.podman(&["stop", "-t", "0", container]).map(drop)
+    }
+
+    /// Names of the pods in the private storage.
+    pub fn pod_names(&self) -> Result<Vec<String>> {
+        Ok(self
+            .podman(&["pod", "ls", "--format", "{{.Name}}"])?
+            .lines()
+            .map(|l| l.trim().to_owned())
+            .filter(|l| !l.is_empty())
+            .collect())
+    }
+
+    /// IDs of all containers (running or not) in the private storage.
+    pub fn container_ids(&self) -> Result<Vec<String>> {
+        Ok(self
+            .podman(&["ps", "-a", "--format", "{{.ID}}"])?
+            .lines()
+            .map(|l| l.trim().to_owned())
+            .filter(|l| !l.is_empty())
+            .collect())
+    }
+
+    /// `podman pod rm -f -t 0 <pod>`: stops every container (CNI DEL for the netns) and
+    /// removes the pod.
+    pub fn remove_pod(&self, pod: &PodmanPod) -> Result<()> {
+        self.podman(&["pod", "rm", "-f", "-t", "0", &pod.name])?;
+        lock(&self.pods).retain(|p| p.name != pod.name);
+        Ok(())
+    }
+
+    /// libcni's cached results for `pod` (there is one per attachment while it exists).
+    pub fn cni_cache_files(&self, pod: &PodmanPod) -> Vec<PathBuf> {
+        cache_files(&pod.network, &pod.infra_id)
+    }
+
+    fn cleanup(&mut self) -> Vec<String> {
+        let mut errors = Vec::new();
+        let pods = std::mem::take(&mut *lock(&self.pods));
+        for pod in &pods {
+            if let Err(e) = self.podman(&["pod", "rm", "-f", "-t", "0", &pod.name]) {
+                let msg = format!("{e:#}");
+                if !msg.contains("no pod with name or ID") {
+                    errors.push(msg);
+                }
+            }
+        }
+        // Anything else in the private storage (a container made outside a pod, a pod whose
+        // create half-failed).
+        for args in [
+            &["pod", "rm", "-a", "-f", "-t", "0"][..],
+            &["rm", "-a", "-f", "-t", "0"][..],
+        ] {
+            if let Err(e) = self.podman(args) {
+                errors.push(format!("{e:#}"));
+            }
+        }
+        // What podman leaves behind when a removal failed half-way.
+        for pod in &pods {
+            if !pod.netns_path.as_os_str().is_empty() && pod.netns_path.exists() {
+                let _ = umount2(&pod.netns_path, MntFlags::MNT_DETACH);
+                if let Err(e) = fs::remove_file(&pod.netns_path) {
+                    errors.push(format!("rm {}: {e}", pod.netns_path.display()));
+                }
+            }
+            if !pod.infra_id.is_empty() {
+                for f in cache_files(&pod.network, &pod.infra_id) {
+                    let _ = fs::remove_file(f);
+                }
+            }
+        }
+        unmount_under(&self.dir, &mut errors);
+        for dir in v1_cgroup_dirs(&self.cgroup_parent) {
+            if let Err(e) = remove_cgroup_tree(&dir) {
+                errors.push(format!("{e:#}"));
+            }
+        }
+        errors
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        for e in self.cleanup() {
+            eprintln!("sidestep-tests: podman cleanup: {e}");
+        }
+    }
+}
+
+/// An HAProxy sidecar container (the config of [`haproxy::render_config`], IPv4 listeners)
+/// running as the proxy UID in a podman pod.
+#[derive(Debug)]
+pub struct Sidecar {
+    pub container: String,
+    pub config: SidecarConfig,
+}
+
+impl Sidecar {
+    /// Writes the config into the rootfs, checks it with the host's `haproxy -c`, runs
+    /// `haproxy -db` as `cfg.uid:cfg.gid` in `pod`, and waits until it listens.
+    pub fn start(podman: &Podman, pod: &PodmanPod, cfg: SidecarConfig) -> Result<Self> {
+        let rel = format!("etc/sidestep/haproxy-{}.cfg", pod.name);
+        let host_path = podman.rootfs.join(&rel);
+        fs::write(&host_path, haproxy::render_config(&cfg, false))
+            .with_context(|| format!("write {}", host_path.display()))?;
+        fs::set_permissions(&host_path, fs::Permissions::from_mode(0o644))?;
+        let check = Command::new("haproxy")
+            .args(["-c", "-f"])
+            .arg(&host_path)
+            .output()
+            .context("haproxy -c")?;
+        ensure!(
+            check.status.success(),
+            "haproxy -c {}: {}{}",
+            host_path.display(),
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        let name = format!("{}-haproxy", pod.name);
+        let in_ctr = format!("/{rel}");
+        let container = podman.run_detached(
+            pod,
+            &name,
+            cfg.uid,
+            cfg.gid,
+            &["/usr/sbin/haproxy", "-db", "-f", &in_ctr],
+        )?;
+        let want = [
+            SocketAddr::from(([127, 0, 0, 1], cfg.outbound_port)),
+            SocketAddr::from(([0, 0, 0, 0], cfg.inbound_port)),
+        ];
+        poll(
+            "haproxy listeners in the podman pod",
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || {
+                let pid = podman.pid(&container)?;
+                let have = listening_sockets(pid)?;
+                Ok(want.iter().all(|w| have.contains(w)).then_some(()))
+            },
+        )
+        .with_context(|| {
+            format!(
+                "starting haproxy in podman pod {}; logs: {}",
+                pod.name,
+                podman.logs(&container).unwrap_or_default()
+            )
+        })?;
+        Ok(Self {
+            container,
+            config: cfg,
+        })
+    }
+
+    /// HAProxy's log so far (one line per connection; see [`haproxy::render_config`]).
+    pub fn log(&self, podman: &Podman) -> String {
+        podman.logs(&self.container).unwrap_or_default()
+    }
+
+    /// Waits until the log contains every needle.
+    pub fn wait_log(&self, podman: &Podman, needles: &[&str], timeout: Duration) -> Result<()> {
+        poll(
+            "sidecar log lines",
+            timeout,
+            Duration::from_millis(50),
+            || {
+                let log = self.log(podman);
+                Ok(needles.iter().all(|n| log.contains(n)).then_some(()))
+            },
+        )
+        .with_context(|| {
+            format!(
+                "wanted {needles:?} in the sidecar log:\n{}",
+                self.log(podman)
+            )
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves valid data; keep going so that Drop cleans up.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `podman pod inspect` prints an object in podman 4.3 and an array in later releases.
+fn first(v: Value) -> Value {
+    match v {
+        Value::Array(mut a) if !a.is_empty() => a.swap_remove(0),
+        other => other,
+    }
+}
+
+/// A TOML basic string.
+fn toml_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn hard_limit(resource: libc::__rlimit_resource_t) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) writes one rlimit struct into a valid, exclusively borrowed one.
+    let ret = unsafe { libc::getrlimit(resource, &mut lim) };
+    if ret == 0 { lim.rlim_max } else { 1024 }
+}
+
+/// Runs `cmd` with piped stdout/stderr, killing it after `timeout`.
+fn run_timeout(mut cmd: Command, timeout: Duration) -> Result<Output> {
+    let mut child = cmd.spawn().context("spawn")?;
+    let mut out_pipe = child.stdout.take().context("stdout")?;
+    let mut err_pipe = child.stderr.take().context("stderr")?;
+    let out_t = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut out_pipe, &mut v);
+        v
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut err_pipe, &mut v);
+        v
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("hung for {timeout:?}; killed");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // Detached children (conmon) keep no copy of the pipes: podman hands them /dev/null.
+    Ok(Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
+    })
+}
+
+/// Builds a rootfs with busybox and the host's haproxy and curl, each with the shared libraries `ldd`
+/// names, plus the directories and files runc and podman mount over.
+fn build_rootfs(root: &Path) -> Result<()> {
+    for d in [
+        "bin",
+        "usr/sbin",
+        "etc/sidestep",
+        "proc",
+        "sys",
+        "dev",
+        "run",
+        "tmp",
+        "var/tmp",
+    ] {
+        fs::create_dir_all(root.join(d)).with_context(|| format!("mkdir rootfs/{d}"))?;
+    }
+    for d in ["tmp", "var/tmp"] {
+        fs::set_permissions(root.join(d), fs::Permissions::from_mode(0o1777))?;
+    }
+    let busybox = which("busybox").context("busybox not found (package busybox-static)")?;
+    copy_with_libs(&busybox, &root.join("bin/busybox"), root)?;
+    for applet in APPLETS {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet))
+            .with_context(|| format!("link applet {applet}"))?;
+    }
+    let haproxy = which("haproxy").context("haproxy not found (package haproxy)")?;
+    copy_with_libs(&haproxy, &root.join("usr/sbin/haproxy"), root)?;
+    let curl = which("curl").context("curl not found")?;
+    copy_with_libs(&curl, &root.join("bin/curl"), root)?;
+    fs::write(
+        root.join("etc/passwd"),
+        "root:x:0:0:root:/:/bin/sh\napp:x:1000:1000:app:/:/bin/sh\nproxy:x:1337:1337:proxy:/:/bin/sh\n",
+    )?;
+    fs::write(
+        root.join("etc/group"),
+        "root:x:0:\napp:x:1000:\nproxy:x:1337:\n",
+    )?;
+    for f in ["etc/hosts", "etc/resolv.conf", "etc/hostname"] {
+        fs::write(root.join(f), "")?;
+    }
+    Ok(())
+}
+
+/// Copies `bin` to `dest` and every library `ldd` lists for it to the same path under `root`.
+fn copy_with_libs(bin: &Path, dest: &Path, root: &Path) -> Result<()> {
+    fs::copy(bin, dest).with_context(|| format!("copy {}", bin.display()))?;
+    let out = Command::new("ldd").arg(bin).output().context("run ldd")?;
+    // A static binary: ldd exits non-zero with "not a dynamic executable".
+    if !out.status.success() {
+        return Ok(());
+    }
+    for lib in ldd_paths(&String::from_utf8_lossy(&out.stdout)) {
+        let rel = lib.strip_prefix("/").unwrap_or(&lib);
+        let to = root.join(rel);
+        if to.exists() {
+            continue;
+        }
+        if let Some(parent) = to.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        fs::copy(&lib, &to).with_context(|| format!("copy {}", lib.display()))?;
+    }
+    Ok(())
+}
+
+/// The absolute library paths in `ldd` output.
+fn ldd_paths(out: &str) -> Vec<PathBuf> {
+    out.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let path = match l.split_once("=>") {
+                Some((_, rhs)) => rhs.split_whitespace().next()?,
+                None => l.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect()
+}
+
+/// libcni's cached results for one container on `network`.
+fn cache_files(network: &str, container_id: &str) -> Vec<PathBuf> {
+    let prefix = format!("{network}-{container_id}-");
+    fs::read_dir(CNI_CACHE)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Mount points in /proc/self/mountinfo, in mount order.
+fn mount_points() -> Vec<PathBuf> {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ")))
+        .collect()
+}
+
+/// Lazily unmounts everything mounted under `dir` (podman's shm for a pod), deepest first.
+fn unmount_under(dir: &Path, errors: &mut Vec<String>) {
+    let mut under: Vec<PathBuf> = mount_points()
+        .into_iter()
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    under.reverse();
+    for m in under {
+        if let Err(e) = umount2(&m, MntFlags::MNT_DETACH) {
+            errors.push(format!("umount {}: {e}", m.display()));
+        }
+    }
+}
+
+/// `<v1 hierarchy>/<rel>` for every cgroup v1 hierarchy that has it.
+fn v1_cgroup_dirs(rel: &str) -> Vec<PathBuf> {
+    let rel = rel.trim_start_matches('/');
+    if rel.is_empty() {
+        return Vec::new();
+    }
+    v1_mounts()
+        .into_iter()
+        .map(|m| m.join(rel))
+        .filter(|d| d.is_dir())
+        .collect()
+}
+
+/// Mount points of cgroup v1 hierarchies.
+fn v1_mounts() -> Vec<PathBuf> {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            (post.split_whitespace().next()? == "cgroup")
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))?
+        })
+        .collect()
+}
+
+/// Kills what is left in a cgroup v1 subtree and removes it, deepest first.
+fn remove_cgroup_tree(dir: &Path) -> Result<()> {
+    let children: Vec<PathBuf> = fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default();
+    for c in &children {
+        remove_cgroup_tree(c)?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        for pid in fs::read_to_string(dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+        {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e).with_context(|| format!("rmdir {}", dir.display())),
+        }
+    }
+}
+
+/// Removes what killed podman tests left behind, which the generic sweep does not know:
+/// - for a scratch directory of a dead process that holds a podman configuration, every pod
+///   and container of that storage, with that configuration, so that podman runs CNI DEL and
+///   removes its netns and mounts (call this before [`TestEnv::new`], whose sweep deletes
+///   those directories);
+/// - libcni result caches of the networks of dead processes, with the netns each names (a
+///   concurrent test's sweep may have deleted the configuration first);
+/// - cgroup v1 directories `sidestep-test-<id>` of dead processes;
+/// - host mounts under scratch directories of dead processes.
+pub fn sweep_stale() {
+    let dead = |id: &str| pid_of_id(id).is_some_and(|p| p != std::process::id() && !pid_alive(p));
+    let tmp = std::env::temp_dir();
+    let stale_id = |name: &str| -> Option<String> {
+        let rest = name.strip_prefix("sidestep-test-")?;
+        let (id, _) = rest.rsplit_once('-')?;
+        dead(id).then(|| id.to_owned())
+    };
+    if let Ok(rd) = fs::read_dir(&tmp) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(id) = stale_id(&name) else { continue };
+            let dir = e.path().join("podman");
+            if !dir.join("containers.conf").is_file() || which("podman").is_none() {
+                continue;
+            }
+            eprintln!("sidestep-tests: removing podman pods of dead test env {id}");
+            // Dropping it removes the pods and containers of that storage.
+            drop(Podman {
+                conf: dir.join("containers.conf"),
+                storage_conf: dir.join("storage.conf"),
+                net_dir: dir.join("cni.d"),
+                rootfs: dir.join("rootfs"),
+                cgroup_parent: format!("/sidestep-test-{id}"),
+                pods: Mutex::new(Vec::new()),
+                dir,
+            });
+        }
+    }
+    if let Ok(rd) = fs::read_dir(CNI_CACHE) {
+        for e in rd.flatten() {
+            let Ok(cache) = fs::read(e.path()) else {
+                continue;
+            };
+            let Ok(cache) = serde_json::from_slice::<Value>(&cache) else {
+                continue;
+            };
+            // Network names are `sidestep-test-<env id>-<node counter>` (see Node).
+            let stale_network = cache["networkName"]
+                .as_str()
+                .and_then(|n| n.strip_prefix("sidestep-test-"))
+                .and_then(|n| n.rsplit_once('-'))
+                .is_some_and(|(id, _)| dead(id));
+            if !stale_network {
+                continue;
+            }
+            for iface in cache["result"]["interfaces"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                if let Some(ns) = iface["sandbox"].as_str().map(Path::new)
+                    && ns.parent() == Some(Path::new(netns::NETNS_DIR))
+                    && ns
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("netns-"))
+                    && ns.exists()
+                {
+                    eprintln!(
+                        "sidestep-tests: removing leftover podman netns {}",
+                        ns.display()
+                    );
+                    let _ = umount2(ns, MntFlags::MNT_DETACH);
+                    let _ = fs::remove_file(ns);
+                }
+            }
+            let _ = fs::remove_file(e.path());
+        }
+    }
+    for m in v1_mounts() {
+        let Ok(rd) = fs::read_dir(&m) else { continue };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.strip_prefix("sidestep-test-").is_some_and(dead)
+                && let Err(err) = remove_cgroup_tree(&e.path())
+            {
+                eprintln!("sidestep-tests: {err:#}");
+            }
+        }
+    }
+    let mut stale: Vec<PathBuf> = mount_points()
+        .into_iter()
+        .filter(|m| {
+            m.strip_prefix(&tmp)
+                .ok()
+                .and_then(|r| r.components().next())
+                .and_then(|c| stale_id(&c.as_os_str().to_string_lossy()))
+                .is_some()
+        })
+        .collect();
+    stale.reverse();
+    for m in stale {
+        let _ = umount2(&m, MntFlags::MNT_DETACH);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ldd_output() {
+        let out = "\tlinux-vdso.so.1 (0x00007ffd)\n\
+                   \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f2e)\n\
+                   \t/lib64/ld-linux-x86-64.so.2 (0x00007f2e)\n\
+                   \tlibmissing.so => not found\n";
+        assert_eq!(
+            ldd_paths(out),
+            [
+                PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"),
+                PathBuf::from("/lib64/ld-linux-x86-64.so.2")
+            ]
+        );
+    }
+
+    #[test]
+    fn toml_strings_are_escaped() {
+        assert_eq!(toml_str(r#"/tmp/a"b\c"#), r#""/tmp/a\"b\\c""#);
+    }
+
+    #[test]
+    fn inspect_output_shapes() {
+        assert_eq!(first(serde_json::json!([{"Id": "a"}]))["Id"], "a");
+        assert_eq!(first(serde_json::json!({"Id": "b"}))["Id"], "b");
+    }
+}
