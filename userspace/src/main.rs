@@ -5,6 +5,7 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use sidestep::{
+    agent::{self, AgentArgs, Settings},
     enroll, loader,
     pins::DEFAULT_PIN_ROOT,
     policy::{self, InterceptionMode, Policy},
@@ -18,9 +19,9 @@ use sidestep::{
     about = "eBPF traffic redirection to a mesh sidecar"
 )]
 struct Cli {
-    /// Log filter, e.g. info or sidestep=debug.
-    #[arg(long, global = true, env = "SIDESTEP_LOG", default_value = "info")]
-    log_level: String,
+    /// Log filter, e.g. info or sidestep=debug [default: info].
+    #[arg(long, global = true, env = "SIDESTEP_LOG")]
+    log_level: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -69,6 +70,19 @@ enum Command {
         pin_root: PathBuf,
         #[arg(long)]
         json: bool,
+    },
+    /// The node agent (DaemonSet): load or adopt, install the CNI plugin and its config, keep
+    /// them in place, reconcile pods, serve /healthz, /readyz and /metrics. SIGTERM leaves
+    /// everything in place.
+    Agent(Box<AgentArgs>),
+    /// Remove what the agent installed: the conflist entry, the plugin binary, the kubeconfig,
+    /// every pin (detaching every program) and the plugin's records. Takes the agent's settings.
+    Uninstall {
+        /// Do nothing unless the setting uninstall-requested is true (for a DaemonSet preStop).
+        #[arg(long)]
+        if_requested: bool,
+        #[command(flatten)]
+        settings: Box<AgentArgs>,
     },
 }
 
@@ -166,8 +180,24 @@ impl PolicyArgs {
     }
 }
 
+fn uninstall(args: &AgentArgs, if_requested: bool, log_level: Option<&str>) -> anyhow::Result<()> {
+    let settings = Settings::resolve(args, log_level)?;
+    if if_requested && !settings.uninstall_requested {
+        println!("sidestep uninstall: uninstall-requested is not set; nothing removed");
+        return Ok(());
+    }
+    print!("{}", agent::uninstall::uninstall(&settings)?);
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
+    let log_level = cli.log_level.as_deref();
     match cli.command {
+        Command::Agent(args) => agent::main(&args, log_level)?,
+        Command::Uninstall {
+            if_requested,
+            settings,
+        } => uninstall(&settings, if_requested, log_level)?,
         Command::Load {
             cgroup,
             pin_root,
@@ -239,13 +269,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log_level)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // The agent sets up its own logging, from its settings.
+    if !matches!(cli.command, Command::Agent(_)) {
+        agent::init_logging(
+            cli.log_level.as_deref().unwrap_or("info"),
+            agent::settings::LogFormat::Text,
+        );
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

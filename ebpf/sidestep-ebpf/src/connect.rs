@@ -17,31 +17,40 @@ use crate::{
     policy::{self, Connect, LOOPBACK4_BE, LOOPBACK6, Verdict},
 };
 
-/// A sock_addr program must allow the call; sidestep never refuses a connect.
+/// sock_addr verdicts: let the connect proceed, or fail it with EPERM.
 const ALLOW: i32 = 1;
+const REFUSE: i32 = 0;
 
 #[cgroup_sock_addr(connect4)]
 pub fn sidestep_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the kernel hands us a valid bpf_sock_addr for the duration of the call.
-    unsafe { connect(&ctx, false) };
-    ALLOW
+    if unsafe { connect(&ctx, false) } {
+        ALLOW
+    } else {
+        REFUSE
+    }
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn sidestep_connect6(ctx: SockAddrContext) -> i32 {
     // SAFETY: as above.
-    unsafe { connect(&ctx, true) };
-    ALLOW
+    if unsafe { connect(&ctx, true) } {
+        ALLOW
+    } else {
+        REFUSE
+    }
 }
 
+/// Returns whether the connect may proceed: false only when it must be captured and cannot be.
+///
 /// # Safety
 /// `ctx` must be the live context of a connect4 or connect6 program.
 #[inline(always)]
-unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
+unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     // SAFETY: valid context for a sock_addr program.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(pod) = policy::pod_policy(netns_cookie) else {
-        return;
+        return true;
     };
     let sa = ctx.sock_addr;
     // SAFETY: every field below is a 4-byte context field of bpf_sock_addr, read one at a time.
@@ -59,7 +68,7 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
         )
     };
     if sk.is_null() {
-        return;
+        return true;
     }
     // SAFETY: `sk` is the kernel's full socket for this call; src fields are 4-byte reads.
     let bound_src = unsafe {
@@ -83,7 +92,7 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
     let verdict = policy::outbound_verdict(&decision);
     if verdict.is_pass() {
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
-        return;
+        return true;
     }
     let Verdict { port, kind } = verdict;
     let v4 = sidestep_abi::is_v4_mapped(&dst);
@@ -97,9 +106,10 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
     // SAFETY: a connect program's context carries a full socket, as sk_storage requires.
     let stored = unsafe { SIDESTEP_ORIG.get_or_insert_ptr_mut(ctx, Some(&mut orig)) };
     if stored.is_null() {
-        // Without the original destination the proxy could not forward, so leave it alone.
-        policy::count(netns_cookie, |c| c.passed_outbound += 1);
-        return;
+        // No room for the original destination (a socket can exhaust its option memory on
+        // purpose): the proxy could not forward, and passing it would bypass the proxy. Refuse.
+        policy::count(netns_cookie, |c| c.orig_dst_misses += 1);
+        return false;
     }
     // SAFETY: non-null storage owned by this socket; a reused socket (UDP) gets the new value.
     unsafe { *stored = orig };
@@ -119,4 +129,5 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) {
     } else {
         policy::count(netns_cookie, |c| c.redirected_outbound += 1);
     }
+    true
 }

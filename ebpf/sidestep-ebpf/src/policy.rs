@@ -67,10 +67,10 @@ pub fn count(netns_cookie: u64, bump: impl FnOnce(&mut Counters)) {
     }
 }
 
+/// 127.0.0.0/8 or ::1.
 #[inline(always)]
 pub fn is_loopback(addr: &[u32; 4]) -> bool {
     if is_v4_mapped(addr) {
-        // 127.0.0.0/8
         addr[3].to_ne_bytes()[0] == 127
     } else {
         addr[0] == LOOPBACK6[0]
@@ -80,13 +80,26 @@ pub fn is_loopback(addr: &[u32; 4]) -> bool {
     }
 }
 
+/// 0.0.0.0 or ::, which connect turns into 127.0.0.1 or ::1 ("this host") before any route
+/// lookup, so istio-iptables' `-d 127.0.0.1/32` rule sees it as 127.0.0.1.
+#[inline(always)]
+fn is_unspecified(addr: &[u32; 4]) -> bool {
+    if is_v4_mapped(addr) {
+        addr[3] == 0
+    } else {
+        (addr[0] | addr[1] | addr[2] | addr[3]) == 0
+    }
+}
+
+/// 127.0.0.1 or ::1, or the unspecified address that becomes them.
 #[inline(always)]
 fn is_host_loopback(addr: &[u32; 4]) -> bool {
-    if is_v4_mapped(addr) {
+    let exact = if is_v4_mapped(addr) {
         addr[3] == LOOPBACK4_BE
     } else {
         is_loopback(addr)
-    }
+    };
+    exact || is_unspecified(addr)
 }
 
 #[inline(always)]
@@ -156,7 +169,8 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
         return Verdict::PASS;
     }
     // `-o lo`: the destination is on the pod itself.
-    let local_dst = is_loopback(&c.dst) || is_pod_address(c.netns_cookie, &c.dst);
+    let local_dst =
+        is_loopback(&c.dst) || is_unspecified(&c.dst) || is_pod_address(c.netns_cookie, &c.dst);
     // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
     // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
     // before netfilter sees it, so it is not captured either.

@@ -47,8 +47,7 @@ pub fn conf_files(dir: &Path) -> Result<Vec<PathBuf>, ConfError> {
                 && !p
                     .file_name()
                     .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-                && p
-                    .extension()
+                && p.extension()
                     .is_some_and(|x| CONF_EXTENSIONS.iter().any(|e| x == *e))
         })
         .collect();
@@ -110,7 +109,10 @@ pub fn count_entries(list: &Value, plugin_type: &str) -> usize {
 pub fn insert_entry(list: &Value, entry: &Value) -> Option<Value> {
     let plugin_type = &entry["type"];
     let plugins = list["plugins"].as_array()?;
-    let ours: Vec<&Value> = plugins.iter().filter(|p| p["type"] == *plugin_type).collect();
+    let ours: Vec<&Value> = plugins
+        .iter()
+        .filter(|p| p["type"] == *plugin_type)
+        .collect();
     if ours.len() == 1 && ours[0] == entry {
         return None;
     }
@@ -148,7 +150,9 @@ pub fn standalone(entry: &Value) -> Value {
 }
 
 pub fn file_mode(path: &Path) -> Option<u32> {
-    fs::metadata(path).ok().map(|m| m.permissions().mode() & 0o7777)
+    fs::metadata(path)
+        .ok()
+        .map(|m| m.permissions().mode() & 0o7777)
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
@@ -234,8 +238,9 @@ pub fn chain_target(
         }
         // A named .conf we already wrapped lives on as its .conflist.
         let wrapped = p.with_extension("conflist");
-        return Ok((p.extension().is_some_and(|x| x == "conf") && wrapped.is_file())
-            .then_some(wrapped));
+        return Ok(
+            (p.extension().is_some_and(|x| x == "conf") && wrapped.is_file()).then_some(wrapped),
+        );
     }
     Ok(conf_files(dir)?
         .into_iter()
@@ -297,7 +302,10 @@ pub fn entry_in_place(
     };
     path.and_then(|p| read_as_list(&p).ok())
         .is_some_and(|(list, wrapped)| {
-            !wrapped && list["plugins"].as_array().is_some_and(|p| p.contains(entry))
+            !wrapped
+                && list["plugins"]
+                    .as_array()
+                    .is_some_and(|p| p.contains(entry))
         })
 }
 

@@ -28,9 +28,16 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Full<
         .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
 }
 
-async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(
+    agent: Arc<Agent>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return Ok(reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n".into()));
+        return Ok(reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "GET only\n".into(),
+        ));
     }
     let path = req.uri().path().to_owned();
     let r = match path.as_str() {
@@ -58,7 +65,11 @@ async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Fu
                 body,
             )
         }
-        _ => reply(StatusCode::NOT_FOUND, "text/plain", "try /healthz, /readyz or /metrics\n".into()),
+        _ => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "try /healthz, /readyz or /metrics\n".into(),
+        ),
     };
     Ok(r)
 }

@@ -11,7 +11,7 @@ use super::conflist::{file_mode, write_atomic};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
-    #[error("cannot read the plugin binary {path}: {source}")]
+    #[error("setting cni-binary: cannot read the plugin binary {path}: {source}")]
     ReadBinary { path: PathBuf, source: io::Error },
     #[error("cannot install {path}: {source}")]
     Write { path: PathBuf, source: io::Error },
@@ -178,6 +178,9 @@ mod tests {
         let text = fs::read_to_string(&path).unwrap();
         assert!(text.contains("token: \"t2\""), "{text}");
         assert!(text.contains("server: \"https://[fd00::1]:443\""), "{text}");
-        assert!(text.contains("certificate-authority-data: \"LS0t"), "{text}");
+        assert!(
+            text.contains("certificate-authority-data: \"LS0t"),
+            "{text}"
+        );
     }
 }

@@ -66,26 +66,44 @@ fn gauge(reg: &mut Registry, name: &str, help: &str, v: i64) {
 
 type PodFamily = Family<PodLabels, Counter>;
 
-const POD_COUNTERS: [(&str, &str, fn(&PodCounters) -> u64); 7] = [
-    ("sidestep_pod_redirected_outbound", "Outbound connections sent to the proxy", |c| {
-        c.redirected_outbound
-    }),
-    ("sidestep_pod_redirected_inbound", "Inbound connections handed to the proxy", |c| {
-        c.redirected_inbound
-    }),
-    ("sidestep_pod_passed_outbound", "Outbound connections left alone by the policy", |c| {
-        c.passed_outbound
-    }),
-    ("sidestep_pod_passed_inbound", "Inbound connections left alone by the policy", |c| {
-        c.passed_inbound
-    }),
-    ("sidestep_pod_dns_redirected", "DNS queries sent to the DNS proxy", |c| c.dns_redirected),
-    ("sidestep_pod_orig_dst_hits", "SO_ORIGINAL_DST answered from sidestep's record", |c| {
-        c.orig_dst_hits
-    }),
-    ("sidestep_pod_orig_dst_misses", "SO_ORIGINAL_DST asked for an unredirected socket", |c| {
-        c.orig_dst_misses
-    }),
+type Field = fn(&PodCounters) -> u64;
+
+const POD_COUNTERS: [(&str, &str, Field); 7] = [
+    (
+        "sidestep_pod_redirected_outbound",
+        "Outbound connections sent to the proxy",
+        |c| c.redirected_outbound,
+    ),
+    (
+        "sidestep_pod_redirected_inbound",
+        "Inbound connections handed to the proxy",
+        |c| c.redirected_inbound,
+    ),
+    (
+        "sidestep_pod_passed_outbound",
+        "Outbound connections left alone by the policy",
+        |c| c.passed_outbound,
+    ),
+    (
+        "sidestep_pod_passed_inbound",
+        "Inbound connections left alone by the policy",
+        |c| c.passed_inbound,
+    ),
+    (
+        "sidestep_pod_dns_redirected",
+        "DNS queries sent to the DNS proxy",
+        |c| c.dns_redirected,
+    ),
+    (
+        "sidestep_pod_orig_dst_hits",
+        "SO_ORIGINAL_DST answered from sidestep's record",
+        |c| c.orig_dst_hits,
+    ),
+    (
+        "sidestep_pod_orig_dst_misses",
+        "SO_ORIGINAL_DST asked for an unredirected socket",
+        |c| c.orig_dst_misses,
+    ),
 ];
 
 /// The whole exposition.
@@ -98,7 +116,12 @@ pub fn render(
 ) -> String {
     let mut reg = Registry::default();
     let st = status::collect(pin_root);
-    gauge(&mut reg, "sidestep_ready", "1 when /readyz is ready", i64::from(ready));
+    gauge(
+        &mut reg,
+        "sidestep_ready",
+        "1 when /readyz is ready",
+        i64::from(ready),
+    );
     gauge(
         &mut reg,
         "sidestep_programs_attached",
@@ -131,15 +154,51 @@ pub fn render(
     );
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
     for (name, help, v) in [
-        ("sidestep_cni_config_writes", "Writes of the CNI configuration (insertions and repairs)", &counters.cni_config_writes),
-        ("sidestep_cni_adds_observed", "Attachment records the plugin created (its ADDs)", &counters.cni_adds_observed),
-        ("sidestep_cni_dels_observed", "Attachment records the plugin removed (its DELs)", &counters.cni_dels_observed),
-        ("sidestep_gc_attachments", "Attachments removed because their netns was gone", &counters.gc_collected),
-        ("sidestep_repaired_pods", "Running pods enrolled in place by repair", &counters.repaired),
-        ("sidestep_reconcile_errors", "Errors during reconcile", &counters.reconcile_errors),
-        ("sidestep_reconciles", "Reconcile runs", &counters.reconciles),
-        ("sidestep_kubeconfig_writes", "Writes of the plugin's kubeconfig", &counters.kubeconfig_writes),
-        ("sidestep_cni_binary_installs", "Installs of the plugin binary", &counters.binary_installs),
+        (
+            "sidestep_cni_config_writes",
+            "Writes of the CNI configuration (insertions and repairs)",
+            &counters.cni_config_writes,
+        ),
+        (
+            "sidestep_cni_adds_observed",
+            "Attachment records the plugin created (its ADDs)",
+            &counters.cni_adds_observed,
+        ),
+        (
+            "sidestep_cni_dels_observed",
+            "Attachment records the plugin removed (its DELs)",
+            &counters.cni_dels_observed,
+        ),
+        (
+            "sidestep_gc_attachments",
+            "Attachments removed because their netns was gone",
+            &counters.gc_collected,
+        ),
+        (
+            "sidestep_repaired_pods",
+            "Running pods enrolled in place by repair",
+            &counters.repaired,
+        ),
+        (
+            "sidestep_reconcile_errors",
+            "Errors during reconcile",
+            &counters.reconcile_errors,
+        ),
+        (
+            "sidestep_reconciles",
+            "Reconcile runs",
+            &counters.reconciles,
+        ),
+        (
+            "sidestep_kubeconfig_writes",
+            "Writes of the plugin's kubeconfig",
+            &counters.kubeconfig_writes,
+        ),
+        (
+            "sidestep_cni_binary_installs",
+            "Installs of the plugin binary",
+            &counters.binary_installs,
+        ),
     ] {
         counter(&mut reg, name, help, c(v));
     }
@@ -154,7 +213,9 @@ pub fn render(
             let totals = maps.counters(cookie);
             let record = by_cookie.get(&cookie);
             let labels = PodLabels {
-                namespace: record.and_then(|r| r.pod_namespace.clone()).unwrap_or_default(),
+                namespace: record
+                    .and_then(|r| r.pod_namespace.clone())
+                    .unwrap_or_default(),
                 pod: record.and_then(|r| r.pod_name.clone()).unwrap_or_default(),
                 netns_cookie: cookie.to_string(),
             };

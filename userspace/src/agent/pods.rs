@@ -49,15 +49,17 @@ pub fn records(state_dir: &Path) -> BTreeMap<PathBuf, Record> {
         .flatten()
         .map(|e| e.path())
         .filter(|p| is_record_name(p))
-        .filter_map(|p| match fs::read(&p).map(|b| serde_json::from_slice::<Record>(&b)) {
-            Ok(Ok(r)) => Some((p, r)),
-            Ok(Err(e)) => {
-                tracing::warn!(record = %p.display(), error = %e, "unreadable state record");
-                None
-            }
-            // Removed by a DEL between listing and reading.
-            Err(_) => None,
-        })
+        .filter_map(
+            |p| match fs::read(&p).map(|b| serde_json::from_slice::<Record>(&b)) {
+                Ok(Ok(r)) => Some((p, r)),
+                Ok(Err(e)) => {
+                    tracing::warn!(record = %p.display(), error = %e, "unreadable state record");
+                    None
+                }
+                // Removed by a DEL between listing and reading.
+                Err(_) => None,
+            },
+        )
         .collect()
 }
 
@@ -164,11 +166,62 @@ pub fn live_netns(scan: &Scan<'_>) -> Vec<LiveNetns> {
         .collect()
 }
 
-/// Whether the netns at `path` is still the one with `cookie`.
-pub fn still_there(path: &Path, cookie: u64) -> bool {
-    Netns::open(path)
-        .and_then(|n| n.cookie())
-        .is_ok_and(|c| c == cookie)
+/// What became of a recorded netns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fate {
+    /// Still the same netns.
+    Alive,
+    /// The path is gone, or now names another netns: the pod is gone.
+    Gone,
+    /// The agent cannot tell (the path's directory is not visible here, or opening failed for
+    /// another reason): never collected on this.
+    Unknown(String),
+}
+
+/// A netns path as the plugin wrote it (the host's view), as the agent sees it: `/proc/...`
+/// lives under `proc_dir` when the host's /proc is mounted elsewhere.
+pub fn agent_view(path: &Path, proc_dir: &Path) -> PathBuf {
+    match path.strip_prefix("/proc") {
+        Ok(rest) if proc_dir != Path::new("/proc") => proc_dir.join(rest),
+        _ => path.to_path_buf(),
+    }
+}
+
+pub fn fate(path: &Path, cookie: u64) -> Fate {
+    match path.parent() {
+        Some(dir) if dir.is_dir() => {}
+        // /proc/PID/ns/net: the PID directory goes with the process.
+        Some(dir)
+            if dir.ends_with("ns")
+                && dir
+                    .parent()
+                    .and_then(Path::parent)
+                    .is_some_and(Path::is_dir) =>
+        {
+            return Fate::Gone;
+        }
+        _ => {
+            return Fate::Unknown(format!(
+                "{} is not visible to the agent (mount it)",
+                path.parent().unwrap_or(path).display()
+            ));
+        }
+    }
+    match Netns::open(path) {
+        Ok(n) => match n.cookie() {
+            Ok(c) if c == cookie => Fate::Alive,
+            Ok(_) => Fate::Gone,
+            Err(e) => Fate::Unknown(e.to_string()),
+        },
+        Err(crate::error::NetnsError::Open { source, .. })
+            if source.kind() == std::io::ErrorKind::NotFound =>
+        {
+            Fate::Gone
+        }
+        // The path is there but is no netns any more (the bind mount went).
+        Err(crate::error::NetnsError::NotNetns(_)) => Fate::Gone,
+        Err(e) => Fate::Unknown(e.to_string()),
+    }
 }
 
 /// A pod's interface and addresses, as a CNI result would give them (for repair).
@@ -192,17 +245,20 @@ pub fn pod_addresses(netns: &Path) -> Option<PodAddresses> {
                 let (Some(addr), Some(mask)) = (a.address, a.netmask) else {
                     continue;
                 };
-                let entry = if let (Some(a4), Some(m4)) = (addr.as_sockaddr_in(), mask.as_sockaddr_in()) {
-                    (IpAddr::V4(a4.ip()), u32::from(m4.ip()).count_ones() as u8)
-                } else if let (Some(a6), Some(m6)) = (addr.as_sockaddr_in6(), mask.as_sockaddr_in6()) {
-                    let ip = a6.ip();
-                    if ip.is_unicast_link_local() {
+                let entry =
+                    if let (Some(a4), Some(m4)) = (addr.as_sockaddr_in(), mask.as_sockaddr_in()) {
+                        (IpAddr::V4(a4.ip()), u32::from(m4.ip()).count_ones() as u8)
+                    } else if let (Some(a6), Some(m6)) =
+                        (addr.as_sockaddr_in6(), mask.as_sockaddr_in6())
+                    {
+                        let ip = a6.ip();
+                        if ip.is_unicast_link_local() {
+                            continue;
+                        }
+                        (IpAddr::V6(ip), u128::from(m6.ip()).count_ones() as u8)
+                    } else {
                         continue;
-                    }
-                    (IpAddr::V6(ip), u128::from(m6.ip()).count_ones() as u8)
-                } else {
-                    continue;
-                };
+                    };
                 out.push((a.interface_name.clone(), entry.0, entry.1));
             }
             Ok(out)
@@ -217,4 +273,58 @@ pub fn pod_addresses(netns: &Path) -> Option<PodAddresses> {
             .collect(),
         ifname,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_paths_seen_from_the_agent() {
+        let p = Path::new("/proc/42/ns/net");
+        assert_eq!(
+            agent_view(p, Path::new("/host/proc")),
+            Path::new("/host/proc/42/ns/net")
+        );
+        assert_eq!(agent_view(p, Path::new("/proc")), p);
+        let n = Path::new("/var/run/netns/cni-1");
+        assert_eq!(agent_view(n, Path::new("/host/proc")), n);
+    }
+
+    #[test]
+    fn gone_only_when_sure() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(fate(&dir.path().join("cni-gone"), 1), Fate::Gone);
+        // A plain file where the bind mount was.
+        std::fs::write(dir.path().join("cni-file"), "").unwrap();
+        assert_eq!(fate(&dir.path().join("cni-file"), 1), Fate::Gone);
+        assert_eq!(fate(Path::new("/proc/4000000000/ns/net"), 1), Fate::Gone);
+        assert!(matches!(
+            fate(Path::new("/not-mounted-here/netns/x"), 1),
+            Fate::Unknown(_)
+        ));
+    }
+
+    #[test]
+    fn records_are_read_tolerantly() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = serde_json::json!({
+            "format": 1, "network": "n", "containerID": "c", "ifname": "eth0",
+            "netns": "/run/netns/x", "netnsCookie": 7, "interfaces": ["eth0"],
+            "podName": "web", "podNamespace": "shop", "mesh": "istio", "policy": {},
+            "pinRoot": "/sys/fs/bpf/sidestep", "createdUnix": 1, "futureField": true
+        });
+        std::fs::write(dir.path().join("c@eth0.json"), rec.to_string()).unwrap();
+        std::fs::write(dir.path().join("bad@eth0.json"), "{").unwrap();
+        std::fs::write(dir.path().join(".c@eth0.json.tmp.1"), "{").unwrap();
+        std::fs::create_dir(dir.path().join("failopen")).unwrap();
+        std::fs::write(dir.path().join("failopen/d@eth0.json"), "{}").unwrap();
+        let r = records(dir.path());
+        assert_eq!(r.len(), 1);
+        let (_, rec) = r.into_iter().next().unwrap();
+        assert_eq!(rec.netns_cookie, 7);
+        assert_eq!(rec.pod_name.as_deref(), Some("web"));
+        assert_eq!(record_names(dir.path()).len(), 2);
+        assert_eq!(failopen_markers(dir.path()), 1);
+    }
 }

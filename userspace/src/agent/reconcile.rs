@@ -1,8 +1,9 @@
 //! Reconciling the data path with the pods that really run, at start and periodically:
 //!
-//! - **GC.** A record whose netns is gone (no live netns has its cookie, and its netns path no
-//!   longer opens to that cookie) lost its DEL: its enrolment and tc links are removed
-//!   (`unenroll_by_cookie`) and then the record.
+//! - **GC.** A record whose netns is gone (no live netns has its cookie, and its netns path is
+//!   gone or names another netns) lost its DEL: its enrolment and tc links are removed
+//!   (`unenroll_by_cookie`) and then the record. When the agent cannot tell (the path's
+//!   directory is not mounted into it, an open fails otherwise), nothing is collected.
 //! - **Never enrolled.** A live pod netns whose cookie is not in the pod map is reported (log,
 //!   `/metrics`, `/readyz` body): typically a pod that started before the agent was ready. The
 //!   agent cannot tell a meshed pod from an unmeshed one without the API server, so the report
@@ -103,10 +104,19 @@ pub fn reconcile(s: &Settings, entry: &Value, network: Option<&Network>) -> Repo
         if record.pin_root.as_deref().is_some_and(|p| p != s.pin_root) {
             continue;
         }
-        if live_cookies.contains(&record.netns_cookie)
-            || pods::still_there(&record.netns, record.netns_cookie)
-        {
+        if live_cookies.contains(&record.netns_cookie) {
             continue;
+        }
+        match pods::fate(
+            &pods::agent_view(&record.netns, &s.proc_dir),
+            record.netns_cookie,
+        ) {
+            pods::Fate::Alive => continue,
+            pods::Fate::Gone => {}
+            pods::Fate::Unknown(why) => {
+                tracing::debug!(record = %path.display(), why, "not collecting");
+                continue;
+            }
         }
         let done = unenroll(&s.pin_root, record.netns_cookie).and_then(|was| {
             match std::fs::remove_file(path) {
@@ -215,7 +225,8 @@ fn repair(
         netns: l.path.display().to_string(),
         reason,
     };
-    let network = network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
+    let network =
+        network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
     let addrs = pods::pod_addresses(&l.path)
         .ok_or_else(|| fail("it has no interface with an address".into()))?;
     let conf = repair_config(entry, network, &s.repair_policy, &l.path, &addrs);

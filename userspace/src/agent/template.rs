@@ -18,7 +18,10 @@ pub const DEFAULT_TEMPLATE: &str = r#"{
 pub const PLACEHOLDERS: [(&str, &str); 7] = [
     ("__PIN_ROOT__", "the pin root"),
     ("__STATE_DIR__", "the plugin's state directory"),
-    ("__KUBECONFIG_FILEPATH__", "the kubeconfig's path on the host"),
+    (
+        "__KUBECONFIG_FILEPATH__",
+        "the kubeconfig's path on the host",
+    ),
     ("__LOG_LEVEL__", "cni-log-level"),
     ("__NODE_NAME__", "node-name"),
     ("__POD_NAMESPACE__", "pod-namespace (the agent's namespace)"),
@@ -101,7 +104,9 @@ fn fill(v: &Value, values: &Values) -> Value {
     match v {
         Value::String(s) => Value::String(sub(s)),
         Value::Array(a) => Value::Array(a.iter().map(|x| fill(x, values)).collect()),
-        Value::Object(o) => Value::Object(o.iter().map(|(k, x)| (sub(k), fill(x, values))).collect()),
+        Value::Object(o) => {
+            Value::Object(o.iter().map(|(k, x)| (sub(k), fill(x, values))).collect())
+        }
         other => other.clone(),
     }
 }
@@ -109,8 +114,7 @@ fn fill(v: &Value, values: &Values) -> Value {
 impl PluginTemplate {
     /// Checks the template: a JSON object, a `type` that can name a binary, known placeholders.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let Value::Object(raw) = v else {
             return Err("the plugin entry must be a JSON object".into());
         };
@@ -174,7 +178,11 @@ mod tests {
         let e = PluginTemplate::parse(r#"{"type":"sidestep","x":"__NOPE__"}"#).unwrap_err();
         assert!(e.contains("__NOPE__"), "{e}");
         assert!(PluginTemplate::parse("[1]").unwrap_err().contains("object"));
-        assert!(PluginTemplate::parse(r#"{"a":1}"#).unwrap_err().contains("type"));
+        assert!(
+            PluginTemplate::parse(r#"{"a":1}"#)
+                .unwrap_err()
+                .contains("type")
+        );
         assert!(PluginTemplate::parse(r#"{"type":"../x"}"#).is_err());
         assert!(PluginTemplate::parse("{").unwrap_err().contains("JSON"));
         // Double underscores that are not placeholders are fine.

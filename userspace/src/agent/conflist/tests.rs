@@ -49,7 +49,10 @@ fn inserts_after_the_chain_once() {
     // Duplicates left by someone else collapse into one.
     let mut dup = with.clone();
     dup["plugins"].as_array_mut().unwrap().push(entry());
-    assert_eq!(count_entries(&insert_entry(&dup, &entry()).unwrap(), "sidestep"), 1);
+    assert_eq!(
+        count_entries(&insert_entry(&dup, &entry()).unwrap(), "sidestep"),
+        1
+    );
 }
 
 #[test]

@@ -1,0 +1,189 @@
+//! The agent's lifecycle with real pods: `sidestep uninstall` leaves nothing behind and DEL
+//! still succeeds after it; pods that started before the agent are reported, repaired in place
+//! with `--repair`, and garbage-collected once their netns is gone. Needs root.
+
+mod agent_support;
+
+use std::{collections::BTreeSet, process::Command, time::Duration};
+
+use agent_support::{APP_UID, Agent, Dirs, base_args, free_port, meshed, wait_until};
+use anyhow::{Context, Result, ensure};
+use serde_json::Value;
+use sidestep_tests::{Node, NodeOptions, TestEnv, haproxy, http_get, nginx, skip_unless_root, url};
+
+fn bpftool(args: &[&str]) -> Result<Value> {
+    let out = Command::new("bpftool").arg("-j").args(args).output()?;
+    ensure!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout).unwrap_or(Value::Null))
+}
+
+/// IDs of the links pinned under the env's pin root.
+fn pinned_links(env: &TestEnv) -> Result<BTreeSet<u64>> {
+    let root = env.pin_root().display().to_string();
+    Ok(bpftool(&["-f", "link", "show"])?
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|l| {
+            l["pinned"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|p| p.as_str().is_some_and(|p| p.starts_with(&root)))
+        })
+        .filter_map(|l| l["id"].as_u64())
+        .collect())
+}
+
+fn all_links() -> Result<BTreeSet<u64>> {
+    Ok(bpftool(&["link", "show"])?
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["id"].as_u64())
+        .collect())
+}
+
+#[test]
+fn uninstall_leaves_nothing_and_del_still_succeeds() -> Result<()> {
+    if skip_unless_root("uninstall_leaves_nothing_and_del_still_succeeds") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-uninstall")?;
+    let d = Dirs::new(&env)?;
+    let primary = d.write_primary("10-test.conflist")?;
+    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
+    let port = free_port()?;
+    let mut agent = Agent::start(&env, &base_args(&env, &d, port), port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let node = d.node(&env, "10-test.conflist")?;
+    let pod = node.add_pod_with("web", meshed())?;
+    ensure!(agent_support::enrolled_cookies(&env)? == [pod.netns_cookie()?]);
+    let links = pinned_links(&env)?;
+    // Ten cgroup links and the pod's tc link.
+    ensure!(links.len() >= 11, "pinned links: {links:?}");
+    ensure!(d.kubeconfig().exists() && d.bin.join("sidestep").exists());
+    let st = agent.child.terminate(Duration::from_secs(10))?;
+    ensure!(st.success());
+
+    let out = agent_support::uninstall(&env, &d)?;
+    eprintln!("{out}");
+    ensure!(!env.pin_root().exists(), "pin root left");
+    let left: Vec<u64> = all_links()?.intersection(&links).copied().collect();
+    ensure!(left.is_empty(), "links still exist: {left:?}");
+    let cg = bpftool(&["cgroup", "show", &env.cgroup_path().display().to_string()])?;
+    ensure!(
+        cg.as_array().is_none_or(Vec::is_empty),
+        "programs still attached to the cgroup: {cg}"
+    );
+    let now: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
+    ensure!(now == original, "conflist not restored: {now}");
+    ensure!(!d.bin.join("sidestep").exists(), "plugin binary left");
+    ensure!(!d.kubeconfig().exists(), "kubeconfig left");
+    let records = std::fs::read_dir(&d.state).map(|r| r.count()).unwrap_or(0);
+    ensure!(records == 0, "{records} state entries left");
+    let conf_files: Vec<_> = std::fs::read_dir(&d.conf)?
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    ensure!(conf_files.len() == 1, "conf dir: {conf_files:?}");
+
+    // The runtime deletes the pod with the config it cached (sidestep still in the chain; the
+    // plugin found in the fallback directory): DEL exits 0 through the whole chain.
+    node.remove_pod(&pod).context("DEL after uninstall")?;
+    Ok(())
+}
+
+#[test]
+fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result<()> {
+    if skip_unless_root("pods_started_before_the_agent_are_reported_repaired_and_collected") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-repair")?;
+    let d = Dirs::new(&env)?;
+    // Pods made through a chain without sidestep: as if the agent was not ready yet.
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let client = node.add_pod("client")?;
+    let server = node.add_pod("server")?;
+    let _web = nginx::Server::start(&env, &server, 80)?;
+    let mut client_proxy = haproxy::Sidecar::start(&env, &client, Default::default())?;
+    let server_proxy = haproxy::Sidecar::start(&env, &server, Default::default())?;
+    d.write_primary("10-test.conflist")?;
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend(["--reconcile-interval".into(), "1s".into()]);
+
+    // Without repair: reported, not touched.
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    wait_until("the report", Duration::from_secs(10), || {
+        Ok(agent.get("/readyz")?.1.contains("2 not enrolled"))
+    })?;
+    ensure!(agent.metric("sidestep_pods_unenrolled")? == 2.0);
+    for pod in [&client, &server] {
+        agent.wait_log(
+            &pod.netns_path.display().to_string(),
+            Duration::from_secs(5),
+        )?;
+    }
+    ensure!(agent.log().contains("running pod netns is not enrolled"));
+    ensure!(agent_support::enrolled_cookies(&env)?.is_empty());
+    agent.child.terminate(Duration::from_secs(10))?;
+
+    // With repair: enrolled in place through the installed plugin, and captured both ways.
+    args.extend(["--repair".into(), "true".into()]);
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let want: BTreeSet<u64> = [client.netns_cookie()?, server.netns_cookie()?].into();
+    wait_until("repair", Duration::from_secs(10), || {
+        Ok(agent_support::enrolled_cookies(&env)?
+            .into_iter()
+            .collect::<BTreeSet<_>>()
+            == want)
+    })?;
+    wait_until("the repair count", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_repaired_pods_total")? == 2.0)
+    })?;
+    let records: Vec<String> = std::fs::read_dir(&d.state)?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    ensure!(
+        records.len() == 2 && records.iter().all(|n| n.starts_with("sidestep-repair-")),
+        "{records:?}"
+    );
+    let body = http_get(&env, &client, APP_UID, &url(server.ipv4.into(), 80, "/"))?;
+    ensure!(body == nginx::body_for("server"));
+    client_proxy.wait_log(
+        &[&format!("dst={}:80", server.ipv4)],
+        Duration::from_secs(5),
+    )?;
+    server_proxy.wait_log(
+        &[&format!("inbound client={}", client.ipv4)],
+        Duration::from_secs(5),
+    )?;
+
+    // The client pod goes away without a DEL reaching sidestep: GC removes its enrolment.
+    let client_cookie = client.netns_cookie()?;
+    client_proxy.child().kill()?;
+    node.remove_pod(&client)?;
+    wait_until("GC", Duration::from_secs(10), || {
+        Ok(!agent_support::enrolled_cookies(&env)?.contains(&client_cookie))
+    })?;
+    ensure!(agent_support::enrolled_cookies(&env)? == [server.netns_cookie()?]);
+    wait_until("the GC count", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_gc_attachments_total")? >= 1.0)
+    })?;
+    let left = std::fs::read_dir(&d.state)?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+        .count();
+    ensure!(left == 1, "{left} records after GC");
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}

@@ -1,0 +1,325 @@
+//! Running the real `sidestep agent` in a test: its own CNI bin, conf and state directories in
+//! the test's scratch space, the test's cgroup and pin root (never the cgroup2 root), a free
+//! port on loopback for /healthz, /readyz and /metrics.
+
+#![allow(dead_code)]
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use sidestep_tests::{
+    ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv, sidestep::bin_dir,
+};
+
+pub const APP_UID: u32 = 1000;
+const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
+
+/// The host directories the agent manages, all under the test's scratch directory.
+pub struct Dirs {
+    pub bin: PathBuf,
+    pub conf: PathBuf,
+    pub state: PathBuf,
+    pub sa: PathBuf,
+    /// Searched after `bin` by the test's runtime: the plugin answers DEL after uninstall.
+    pub fallback_bin: PathBuf,
+}
+
+impl Dirs {
+    pub fn new(env: &TestEnv) -> Result<Self> {
+        let t = env.tmp_dir();
+        let d = Self {
+            bin: t.join("cni-bin"),
+            conf: t.join("net.d"),
+            state: t.join("cni-state"),
+            sa: t.join("serviceaccount"),
+            fallback_bin: t.join("cni-fallback"),
+        };
+        for p in [&d.bin, &d.conf, &d.sa, &d.fallback_bin] {
+            std::fs::create_dir_all(p)?;
+        }
+        std::os::unix::fs::symlink(
+            bin_dir().join("sidestep-cni"),
+            d.fallback_bin.join("sidestep"),
+        )?;
+        std::fs::write(d.sa.join("token"), "token-1")?;
+        std::fs::write(d.sa.join("ca.crt"), "-----BEGIN CERTIFICATE-----\nfake\n")?;
+        Ok(d)
+    }
+
+    /// A primary network for the agent to chain into (the runtime uses the Node's own copy).
+    pub fn write_primary(&self, name: &str) -> Result<PathBuf> {
+        let p = self.conf.join(name);
+        let v = json!({"cniVersion": "1.0.0", "name": "test-net", "plugins": [{"type": "bridge"}]});
+        std::fs::write(&p, serde_json::to_vec_pretty(&v)?)?;
+        Ok(p)
+    }
+
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.conf.join("ZZZ-sidestep-kubeconfig")
+    }
+
+    /// The sidestep entry the agent wrote into `file`.
+    pub fn entry(&self, file: &str) -> Result<Value> {
+        let v: Value = serde_json::from_slice(&std::fs::read(self.conf.join(file))?)?;
+        v["plugins"]
+            .as_array()
+            .and_then(|p| p.iter().find(|e| e["type"] == "sidestep"))
+            .cloned()
+            .with_context(|| format!("no sidestep entry in {file}: {v}"))
+    }
+
+    pub fn entries_in(&self, file: &str) -> Result<usize> {
+        let v: Value = serde_json::from_slice(&std::fs::read(self.conf.join(file))?)?;
+        Ok(v["plugins"]
+            .as_array()
+            .map_or(0, |p| p.iter().filter(|e| e["type"] == "sidestep").count()))
+    }
+
+    /// A node whose chain is the entry the agent wrote, run from the installed binary.
+    pub fn node(&self, env: &TestEnv, file: &str) -> Result<Node> {
+        Node::new(
+            env,
+            NodeOptions {
+                dual_stack: false,
+                chain: vec![self.entry(file)?],
+                plugin_dirs: vec![self.bin.clone(), self.fallback_bin.clone()],
+            },
+        )
+    }
+}
+
+pub fn meshed() -> PodOptions {
+    PodOptions {
+        namespace: "shop".into(),
+        runtime_config: Some(json!({
+            "io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}
+        })),
+        ..Default::default()
+    }
+}
+
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The flags every test agent gets.
+pub fn base_args(env: &TestEnv, d: &Dirs, port: u16) -> Vec<String> {
+    let s = |p: &Path| p.display().to_string();
+    vec![
+        "agent".into(),
+        "--log-level".into(),
+        "sidestep=debug,info".into(),
+        "--cni-bin-dir".into(),
+        s(&d.bin),
+        "--cni-conf-dir".into(),
+        s(&d.conf),
+        "--state-dir".into(),
+        s(&d.state),
+        "--service-account-dir".into(),
+        s(&d.sa),
+        "--pin-root".into(),
+        s(env.pin_root()),
+        "--cgroup".into(),
+        s(env.cgroup_path()),
+        "--cni-binary".into(),
+        s(&bin_dir().join("sidestep-cni")),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--netns-prefix".into(),
+        format!("sidestep-{}-", env.id()),
+        "--scan-proc".into(),
+        "false".into(),
+    ]
+}
+
+pub struct Agent {
+    pub child: ChildGuard,
+    pub addr: SocketAddr,
+}
+
+impl Agent {
+    pub fn start(env: &TestEnv, args: &[String], port: u16) -> Result<Self> {
+        let bin = bin_dir().join("sidestep");
+        let bin = bin.display().to_string();
+        let mut argv: Vec<&str> = vec![&bin];
+        argv.extend(args.iter().map(String::as_str));
+        let child = env.spawn(Spawn::new(&argv).env(&[
+            ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
+            ("KUBERNETES_SERVICE_PORT", "6443"),
+        ]))?;
+        Ok(Self {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        })
+    }
+
+    /// GET `path`: (status, body).
+    pub fn get(&self, path: &str) -> Result<(u16, String)> {
+        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .with_context(|| format!("bad HTTP response: {out}"))?;
+        let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+        Ok((status, body))
+    }
+
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.child.ensure_running()?;
+            let last = match self.get("/readyz") {
+                Ok((200, body)) => return Ok(body),
+                Ok((_, body)) => body,
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "agent not ready after {timeout:?}: {last}\nlog:\n{}",
+                    self.child.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A metric's value (the first sample whose line starts with `name`).
+    pub fn metric(&self, name: &str) -> Result<f64> {
+        let (_, body) = self.get("/metrics")?;
+        body.lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("no metric {name} in:\n{body}"))
+    }
+
+    pub fn log(&self) -> String {
+        self.child.stderr()
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_log(&mut self, needle: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(needle) {
+            self.child.ensure_running()?;
+            if Instant::now() >= deadline {
+                bail!(
+                    "agent log has no {needle:?} after {timeout:?}:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+}
+
+/// Polls `f` until it returns true.
+pub fn wait_until(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f()? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// wrk's totals: (requests, errors of any kind).
+pub fn parse_wrk(out: &str) -> Result<(u64, u64)> {
+    let mut requests = None;
+    let mut errors = 0;
+    for l in out.lines().map(str::trim) {
+        if let Some(v) = l.strip_prefix("Socket errors:") {
+            for part in v.split(',') {
+                errors += part
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+        } else if let Some(v) = l.strip_prefix("Non-2xx or 3xx responses:") {
+            errors += v.trim().parse::<u64>().unwrap_or(0);
+        } else if l.contains(" requests in ") {
+            requests = l.split_whitespace().next().and_then(|n| n.parse().ok());
+        }
+    }
+    Ok((requests.context("no `N requests in` line")?, errors))
+}
+
+/// `sidestep status --json` for the env's pin root.
+pub fn status(env: &TestEnv) -> Result<Value> {
+    let out = sidestep_tests::sidestep::sidestep(&[
+        "status",
+        "--json",
+        "--pin-root",
+        &env.pin_root().display().to_string(),
+    ])?;
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// (attach point, link id, prog id) of every cgroup attachment.
+pub fn attachments(env: &TestEnv) -> Result<Vec<(String, u64, u64)>> {
+    let s = status(env)?;
+    Ok(s["attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| {
+            (
+                a["attach_point"].as_str().unwrap_or_default().to_owned(),
+                a["link_id"].as_u64().unwrap_or(0),
+                a["prog_id"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect())
+}
+
+pub fn enrolled_cookies(env: &TestEnv) -> Result<Vec<u64>> {
+    let s = status(env)?;
+    Ok(s["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["netns_cookie"].as_u64())
+        .collect())
+}
+
+/// `sidestep uninstall` with the agent's settings; returns its stdout.
+pub fn uninstall(env: &TestEnv, d: &Dirs) -> Result<String> {
+    let s = |p: &Path| p.display().to_string();
+    let args = [
+        "uninstall".to_string(),
+        "--cni-bin-dir".into(),
+        s(&d.bin),
+        "--cni-conf-dir".into(),
+        s(&d.conf),
+        "--state-dir".into(),
+        s(&d.state),
+        "--pin-root".into(),
+        s(env.pin_root()),
+        "--cni-binary".into(),
+        s(&bin_dir().join("sidestep-cni")),
+    ];
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = sidestep_tests::sidestep::sidestep(&argv)?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -1,0 +1,366 @@
+//! `sidestep agent`: the DaemonSet process on every node.
+//!
+//! Start: resolve the settings (a bad one stops the agent naming it), check capabilities, mount
+//! bpffs if needed, load or adopt the programs (an existing pin root is upgraded in place through
+//! its links, atomically), install the plugin binary, write the plugin's kubeconfig, then serve
+//! `/healthz`, `/readyz`, `/metrics` and keep three things true until SIGTERM:
+//! - the CNI configuration holds the sidestep entry (re-inserted within a second of another CNI
+//!   rewriting it: the conf directory is watched with inotify);
+//! - the kubeconfig follows the service account's token;
+//! - the data path matches the pods that run (see [`reconcile`]).
+//!
+//! SIGTERM (a restart or an upgrade) leaves programs, pins and CNI configuration in place, so
+//! pods keep their capture; `sidestep uninstall` removes everything.
+
+pub mod args;
+pub mod conflist;
+pub mod http;
+pub mod install;
+pub mod metrics;
+pub mod pods;
+pub mod reconcile;
+pub mod settings;
+pub mod template;
+pub mod uninstall;
+mod watch;
+
+use std::{
+    os::fd::AsFd as _,
+    sync::{Arc, Mutex, atomic::Ordering},
+};
+
+use anyhow::Context as _;
+use serde_json::Value;
+
+pub use settings::{AgentArgs, Settings};
+
+use self::{
+    conflist::{ConfError, Ensured},
+    install::ServiceAccount,
+    metrics::AgentCounters,
+    reconcile::{Network, Report},
+    settings::{CniMode, LogFormat},
+    template::Values,
+};
+use crate::{
+    loader::{self, CGROUP_PROGRAMS, LoadOptions, LoadOutcome},
+    mounts,
+    pins::PinLayout,
+    sys,
+};
+
+/// The running agent, shared by its tasks and the HTTP handlers.
+pub struct Agent {
+    pub settings: Settings,
+    /// The rendered plugin entry.
+    pub entry: Value,
+    pub counters: AgentCounters,
+    service_account: bool,
+    /// (inode, size, mtime) of the installed binary after our last check, so a reconcile
+    /// re-reads it only when something changed it.
+    installed: Mutex<Option<(u64, u64, i64)>>,
+    report: Mutex<Report>,
+    network: Mutex<Option<Network>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn init_logging(level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => b.json().try_init(),
+        LogFormat::Text => b.try_init(),
+    };
+}
+
+/// Capabilities the agent uses: bpf(2), tc, setns into pod netns, mount bpffs, and reading other
+/// processes' /proc/PID/ns/net (only with scan-proc).
+pub fn check_capabilities(scan_proc: bool) -> anyhow::Result<()> {
+    use caps::{CapSet, Capability as C};
+    let have = caps::read(None, CapSet::Effective).context("reading the capability sets")?;
+    let mut need = vec![C::CAP_SYS_ADMIN, C::CAP_NET_ADMIN];
+    if !have.contains(&C::CAP_SYS_ADMIN) {
+        need.push(C::CAP_BPF);
+    }
+    if scan_proc {
+        need.push(C::CAP_SYS_PTRACE);
+    }
+    let missing: Vec<String> = need
+        .iter()
+        .filter(|c| !have.contains(c))
+        .map(ToString::to_string)
+        .collect();
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "the agent lacks {}; grant them in the DaemonSet's securityContext.capabilities.add{}",
+            missing.join(", "),
+            if scan_proc {
+                " (CAP_SYS_PTRACE only for scan-proc: set scan-proc=false to do without)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}
+
+impl Agent {
+    /// The synchronous part of the start: load or adopt, install, kubeconfig.
+    pub fn start(settings: Settings) -> anyhow::Result<Self> {
+        let cgroup = match &settings.cgroup {
+            Some(c) => c.clone(),
+            None => mounts::cgroup2_root().context("setting cgroup: finding the cgroup2 root")?,
+        };
+        let object = settings
+            .bpf_object
+            .as_ref()
+            .map(|p| {
+                std::fs::read(p).with_context(|| format!("setting bpf-object: {}", p.display()))
+            })
+            .transpose()?;
+        let outcome = loader::load(&LoadOptions {
+            cgroup: cgroup.clone(),
+            pin_root: settings.pin_root.clone(),
+            pod_capacity: settings.pod_capacity,
+            object,
+        })?;
+        tracing::info!(
+            outcome = match outcome {
+                LoadOutcome::Fresh => "loaded",
+                LoadOutcome::Upgraded => "adopted",
+            },
+            cgroup = %cgroup.display(),
+            pin_root = %settings.pin_root.display(),
+            "programs attached"
+        );
+        let sa = ServiceAccount::from_env(&settings.service_account_dir)?;
+        let kubeconfig = if sa.is_some() {
+            settings
+                .host_cni_conf_dir
+                .join(&settings.kubeconfig_name)
+                .display()
+                .to_string()
+        } else {
+            tracing::info!("not in a cluster (no KUBERNETES_SERVICE_HOST): no kubeconfig written");
+            String::new()
+        };
+        let entry = settings.template.render(&Values {
+            pin_root: settings.pin_root.display().to_string(),
+            state_dir: settings.state_dir.display().to_string(),
+            kubeconfig,
+            log_level: settings.cni_log_level.clone(),
+            node_name: settings.node_name.clone(),
+            pod_namespace: settings.pod_namespace.clone(),
+            cni_net_dir: settings.host_cni_conf_dir.display().to_string(),
+        });
+        let agent = Self {
+            settings,
+            entry,
+            counters: AgentCounters::default(),
+            service_account: sa.is_some(),
+            installed: Mutex::new(None),
+            report: Mutex::new(Report::default()),
+            network: Mutex::new(None),
+        };
+        agent.install_binary()?;
+        agent.refresh_kubeconfig()?;
+        Ok(agent)
+    }
+
+    /// Installs the plugin unless the installed file is the one we checked last time.
+    pub fn install_binary(&self) -> anyhow::Result<()> {
+        use std::os::unix::fs::MetadataExt as _;
+        let dest = self.settings.installed_binary();
+        let stamp = |p: &std::path::Path| {
+            std::fs::metadata(p)
+                .ok()
+                .map(|m| (m.ino(), m.size(), m.mtime()))
+        };
+        let mut last = lock(&self.installed);
+        if last.is_some() && *last == stamp(&dest) {
+            return Ok(());
+        }
+        if install::install_binary(&self.settings.cni_binary, &dest)? {
+            self.counters
+                .binary_installs
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(from = %self.settings.cni_binary.display(), to = %dest.display(), "installed the CNI plugin");
+        }
+        *last = stamp(&dest);
+        Ok(())
+    }
+
+    /// Rewrites the kubeconfig when the token (or CA) changed.
+    pub fn refresh_kubeconfig(&self) -> anyhow::Result<()> {
+        if !self.service_account {
+            return Ok(());
+        }
+        let Some(sa) = ServiceAccount::from_env(&self.settings.service_account_dir)? else {
+            return Ok(());
+        };
+        let path = self.settings.kubeconfig_path();
+        if install::write_kubeconfig(&path, &sa.kubeconfig(), self.settings.kubeconfig_mode)? {
+            self.counters
+                .kubeconfig_writes
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(path = %path.display(), "wrote the plugin's kubeconfig");
+        }
+        Ok(())
+    }
+
+    /// Puts the entry in place (chained or standalone).
+    pub fn ensure_cni(&self) -> Result<Ensured, ConfError> {
+        let s = &self.settings;
+        let done = match s.cni_mode {
+            CniMode::Chained => {
+                conflist::ensure_chained(&s.cni_conf_dir, s.cni_conf_name.as_deref(), &self.entry)?
+            }
+            CniMode::Standalone => conflist::ensure_standalone(
+                &s.cni_conf_dir,
+                s.cni_conf_name
+                    .as_deref()
+                    .unwrap_or(settings::DEFAULT_STANDALONE_NAME),
+                &self.entry,
+            )?,
+        };
+        if let Some(path) = done.path() {
+            let net = conflist::read_as_list(path).ok().map(|(l, _)| {
+                let s = |k: &str| l[k].as_str().unwrap_or_default().to_owned();
+                (s("name"), s("cniVersion"))
+            });
+            *lock(&self.network) = net;
+        }
+        if done.wrote() {
+            self.counters
+                .cni_config_writes
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(done)
+    }
+
+    /// Ready when every cgroup link is attached, the plugin is installed and the configuration
+    /// the runtime uses holds the entry. The body says what is missing.
+    pub fn readiness(&self) -> (bool, String) {
+        let s = &self.settings;
+        let layout = PinLayout::new(&s.pin_root);
+        let mut missing = Vec::new();
+        if !layout.is_loaded() {
+            missing.push(format!(
+                "programs are not loaded at {}",
+                s.pin_root.display()
+            ));
+        } else {
+            for p in CGROUP_PROGRAMS {
+                let ok = sys::obj_get(&layout.cgroup_link(p.attach_point))
+                    .and_then(|fd| sys::link_info(fd.as_fd()))
+                    .is_ok_and(|i| i.cgroup_id != 0);
+                if !ok {
+                    missing.push(format!("link {} is not attached", p.attach_point));
+                }
+            }
+        }
+        if !s.installed_binary().is_file() {
+            missing.push(format!(
+                "{} is not installed",
+                s.installed_binary().display()
+            ));
+        }
+        let standalone = s.cni_mode == CniMode::Standalone;
+        let name = match s.cni_mode {
+            CniMode::Standalone => Some(
+                s.cni_conf_name
+                    .as_deref()
+                    .unwrap_or(settings::DEFAULT_STANDALONE_NAME),
+            ),
+            CniMode::Chained => s.cni_conf_name.as_deref(),
+        };
+        if !conflist::entry_in_place(&s.cni_conf_dir, name, standalone, &self.entry) {
+            missing.push(format!(
+                "the CNI configuration in {} has no sidestep entry yet",
+                s.cni_conf_dir.display()
+            ));
+        }
+        let report = lock(&self.report);
+        let tail = format!(
+            "pods: {} enrolled, {} not enrolled, {} repaired at the last reconcile\n",
+            report.enrolled,
+            report.unenrolled.len(),
+            report.repaired.len()
+        );
+        if missing.is_empty() {
+            (true, format!("ready\n{tail}"))
+        } else {
+            (false, format!("not ready: {}\n{tail}", missing.join("; ")))
+        }
+    }
+
+    pub fn metrics(&self) -> String {
+        let ready = self.readiness().0;
+        let report = lock(&self.report).clone();
+        metrics::render(
+            &self.settings.pin_root,
+            &self.settings.state_dir,
+            ready,
+            &report,
+            &self.counters,
+        )
+    }
+
+    /// The network (name, cniVersion) the entry was last put into.
+    pub fn network(&self) -> Option<Network> {
+        lock(&self.network).clone()
+    }
+
+    /// One reconcile; the report is kept for /readyz and /metrics.
+    pub fn reconcile(&self) -> Report {
+        let network = lock(&self.network).clone();
+        if let Err(e) = self.install_binary() {
+            tracing::warn!(error = %format!("{e:#}"), "reinstalling the CNI plugin");
+        }
+        let report = reconcile::reconcile(&self.settings, &self.entry, network.as_ref());
+        let c = &self.counters;
+        c.reconciles.fetch_add(1, Ordering::Relaxed);
+        c.gc_collected
+            .fetch_add(report.collected.len() as u64, Ordering::Relaxed);
+        c.repaired
+            .fetch_add(report.repaired.len() as u64, Ordering::Relaxed);
+        c.reconcile_errors
+            .fetch_add(report.errors.len() as u64, Ordering::Relaxed);
+        for e in &report.errors {
+            tracing::warn!(error = %e, "reconcile");
+        }
+        tracing::info!(
+            live = report.live,
+            enrolled = report.enrolled,
+            records = report.records,
+            failopen = report.failopen,
+            collected = report.collected.len(),
+            unenrolled = report.unenrolled.len(),
+            repaired = report.repaired.len(),
+            "reconciled"
+        );
+        *lock(&self.report) = report.clone();
+        report
+    }
+}
+
+/// `sidestep agent`: runs until SIGTERM or SIGINT.
+pub fn main(args: &AgentArgs, log_level: Option<&str>) -> anyhow::Result<()> {
+    let settings = Settings::resolve(args, log_level)?;
+    init_logging(&settings.log_level, settings.log_format);
+    check_capabilities(settings.scan_proc)?;
+    let agent = Arc::new(Agent::start(settings)?);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(watch::run(agent))
+}

@@ -1,0 +1,120 @@
+//! `sidestep uninstall`: takes away everything the agent put on the node, in the order that keeps
+//! the node usable throughout: the conflist entry first (no new ADD reaches the plugin), then the
+//! binary, the kubeconfig, every pin (each link detached, so no program stays attached), and the
+//! plugin's records. A pod deleted afterwards still gets a clean DEL: the runtime no longer calls
+//! the plugin, and a plugin still called (from a cached config) finds nothing and succeeds.
+
+use std::{fs, io, path::PathBuf};
+
+use super::{
+    conflist::{self, ConfError},
+    install::{self, InstallError},
+    settings::{CniMode, DEFAULT_STANDALONE_NAME, Settings},
+};
+use crate::{error::LoadError, loader};
+
+#[derive(Debug, thiserror::Error)]
+pub enum UninstallError {
+    #[error("removing the CNI configuration entry: {0}")]
+    Conf(#[from] ConfError),
+    #[error(transparent)]
+    Install(#[from] InstallError),
+    #[error("removing the programs: {0}")]
+    Unload(#[from] LoadError),
+    #[error("removing the plugin's records under {path}: {source}")]
+    State { path: PathBuf, source: io::Error },
+}
+
+/// What was removed, for the operator.
+#[derive(Debug, Default)]
+pub struct Removed {
+    pub conf_files: Vec<PathBuf>,
+    pub binary: Option<PathBuf>,
+    pub kubeconfig: Option<PathBuf>,
+    pub pin_root: Option<PathBuf>,
+    pub records: usize,
+}
+
+impl std::fmt::Display for Removed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |v: &[PathBuf]| {
+            v.iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let opt = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map_or("nothing".into(), |p| p.display().to_string())
+        };
+        writeln!(
+            f,
+            "sidestep entry removed from: {}",
+            if self.conf_files.is_empty() {
+                "no file (none had it)".into()
+            } else {
+                list(&self.conf_files)
+            }
+        )?;
+        writeln!(f, "plugin binary removed: {}", opt(&self.binary))?;
+        writeln!(f, "kubeconfig removed: {}", opt(&self.kubeconfig))?;
+        writeln!(
+            f,
+            "programs detached and pins removed: {}",
+            opt(&self.pin_root)
+        )?;
+        writeln!(f, "plugin records removed: {}", self.records)
+    }
+}
+
+/// Removes the JSON records and FAIL_OPEN markers of the state directory, then the directories
+/// if nothing else is in them.
+fn remove_records(dir: &std::path::Path) -> Result<usize, UninstallError> {
+    let mut n = 0;
+    for d in [dir.join("failopen"), dir.to_path_buf()] {
+        let Ok(entries) = fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            // Records, markers, and the temporary files of an interrupted write.
+            if p.is_file() && (name.ends_with(".json") || name.contains(".json.tmp.")) {
+                fs::remove_file(&p).map_err(|source| UninstallError::State {
+                    path: p.clone(),
+                    source,
+                })?;
+                n += 1;
+            }
+        }
+        // Only empty directories go; anything else is not ours to delete.
+        let _ = fs::remove_dir(&d);
+    }
+    Ok(n)
+}
+
+pub fn uninstall(s: &Settings) -> Result<Removed, UninstallError> {
+    let standalone = (s.cni_mode == CniMode::Standalone).then(|| {
+        s.cni_conf_name
+            .as_deref()
+            .unwrap_or(DEFAULT_STANDALONE_NAME)
+    });
+    let mut removed = Removed {
+        conf_files: conflist::remove_everywhere(&s.cni_conf_dir, s.plugin_type(), standalone)?,
+        ..Removed::default()
+    };
+    let bin = s.installed_binary();
+    if install::remove_file(&bin)? {
+        removed.binary = Some(bin);
+    }
+    let kc = s.kubeconfig_path();
+    if install::remove_file(&kc)? {
+        removed.kubeconfig = Some(kc);
+    }
+    if s.pin_root.exists() {
+        loader::unload(&s.pin_root)?;
+        removed.pin_root = Some(s.pin_root.clone());
+    }
+    removed.records = remove_records(&s.state_dir)?;
+    Ok(removed)
+}

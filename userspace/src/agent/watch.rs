@@ -1,0 +1,168 @@
+//! The agent's loops: the CNI conf directory (inotify through notify, plus a slow tick), the
+//! service account token, the plugin's records, and the periodic reconcile; they run until
+//! SIGTERM or SIGINT, which leave everything in place.
+
+use std::{
+    collections::BTreeSet,
+    path::Path,
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
+
+use notify::{RecursiveMode, Watcher as _};
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+    time::sleep,
+};
+
+use super::{
+    Agent,
+    conflist::{ConfError, Ensured},
+    pods,
+};
+
+/// A watcher on `dir` that pokes `tx` (coalescing: one pending poke is enough).
+fn watcher(dir: &Path, tx: mpsc::Sender<()>) -> notify::Result<notify::RecommendedWatcher> {
+    let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if res.is_ok() {
+            let _ = tx.try_send(());
+        }
+    })?;
+    w.watch(dir, RecursiveMode::NonRecursive)?;
+    Ok(w)
+}
+
+async fn blocking<T: Send + 'static>(
+    agent: &Arc<Agent>,
+    f: impl FnOnce(&Agent) -> T + Send + 'static,
+) -> Option<T> {
+    let a = agent.clone();
+    tokio::task::spawn_blocking(move || f(&a)).await.ok()
+}
+
+async fn cni_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
+    let mut waiting_logged = false;
+    let mut wait = Duration::ZERO;
+    loop {
+        tokio::select! {
+            _ = rx.recv() => {
+                // Let a writer finish its burst of events; still well within a second.
+                sleep(Duration::from_millis(50)).await;
+                while rx.try_recv().is_ok() {}
+            }
+            _ = sleep(wait) => {}
+        }
+        wait = Duration::from_secs(5);
+        match blocking(&agent, |a| a.ensure_cni()).await {
+            Some(Ok(done)) => {
+                match &done {
+                    Ensured::Written(p) => {
+                        tracing::info!(path = %p.display(), "inserted the sidestep entry into the CNI configuration")
+                    }
+                    Ensured::Wrapped { from, to } => {
+                        tracing::info!(from = %from.display(), to = %to.display(), "wrapped a lone .conf into a .conflist with the sidestep entry")
+                    }
+                    Ensured::Waiting if !waiting_logged => {
+                        tracing::info!(dir = %agent.settings.cni_conf_dir.display(), "waiting for the primary CNI's configuration");
+                    }
+                    _ => {}
+                }
+                waiting_logged = matches!(done, Ensured::Waiting);
+            }
+            // Another CNI is half-way through writing; its next event or this retry catches it.
+            Some(Err(e @ ConfError::Invalid { .. })) => {
+                tracing::debug!(error = %e, "CNI configuration not readable yet");
+                wait = Duration::from_millis(200);
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "CNI configuration");
+                wait = Duration::from_secs(1);
+            }
+            None => {}
+        }
+    }
+}
+
+async fn kubeconfig_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
+    loop {
+        tokio::select! {
+            _ = rx.recv() => sleep(Duration::from_millis(100)).await,
+            _ = sleep(Duration::from_secs(30)) => {}
+        }
+        while rx.try_recv().is_ok() {}
+        if let Some(Err(e)) = blocking(&agent, |a| a.refresh_kubeconfig()).await {
+            tracing::warn!(error = %format!("{e:#}"), "kubeconfig");
+        }
+    }
+}
+
+/// Counts the plugin's ADDs and DELs as records appearing and disappearing.
+async fn records_loop(agent: Arc<Agent>) {
+    let dir = agent.settings.state_dir.clone();
+    let mut seen: BTreeSet<String> = pods::record_names(&dir).into_iter().collect();
+    loop {
+        sleep(Duration::from_secs(1)).await;
+        let now: BTreeSet<String> = pods::record_names(&dir).into_iter().collect();
+        let c = &agent.counters;
+        c.cni_adds_observed
+            .fetch_add(now.difference(&seen).count() as u64, Ordering::Relaxed);
+        c.cni_dels_observed
+            .fetch_add(seen.difference(&now).count() as u64, Ordering::Relaxed);
+        seen = now;
+    }
+}
+
+async fn reconcile_loop(agent: Arc<Agent>) {
+    // Repair needs the network the entry is in; give the first insertion a moment.
+    for _ in 0..50 {
+        if agent.network().is_some() {
+            break;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    loop {
+        blocking(&agent, |a| a.reconcile()).await;
+        sleep(agent.settings.reconcile_interval).await;
+    }
+}
+
+pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
+    let bound = super::http::serve(agent.clone(), agent.settings.listen).await?;
+    tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+
+    let (cni_tx, cni_rx) = mpsc::channel(1);
+    let _conf_watch = watcher(&agent.settings.cni_conf_dir, cni_tx).map_err(|e| {
+        anyhow::anyhow!(
+            "setting cni-conf-dir: cannot watch {}: {e}",
+            agent.settings.cni_conf_dir.display()
+        )
+    })?;
+    let (sa_tx, sa_rx) = mpsc::channel(1);
+    let _sa_watch = agent
+        .settings
+        .service_account_dir
+        .is_dir()
+        .then(|| watcher(&agent.settings.service_account_dir, sa_tx))
+        .transpose()
+        .map_err(|e| tracing::warn!(error = %e, "not watching the service account; polling it"))
+        .ok()
+        .flatten();
+
+    tokio::spawn(cni_loop(agent.clone(), cni_rx));
+    tokio::spawn(kubeconfig_loop(agent.clone(), sa_rx));
+    tokio::spawn(records_loop(agent.clone()));
+    tokio::spawn(reconcile_loop(agent.clone()));
+
+    let sig = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(
+        signal = sig,
+        "stopping; programs, pins and the CNI configuration stay in place (`sidestep uninstall` removes them)"
+    );
+    Ok(())
+}
