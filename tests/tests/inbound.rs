@@ -43,7 +43,10 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
     // The server is captured inbound and its sidecar is not up yet: the SYN is dropped, so even
     // an unmeshed client cannot reach the app around the proxy (fail closed).
     let v4 = url(server.ipv4.into(), 80, "/");
-    ensure!(http_get(&env, &outsider, APP_UID, &v4).is_err(), "reached the app around the proxy");
+    ensure!(
+        http_get(&env, &outsider, APP_UID, &v4).is_err(),
+        "reached the app around the proxy"
+    );
 
     let _client_proxy = haproxy::Sidecar::start(&env, &client, Default::default())?;
     let server_proxy = haproxy::Sidecar::start(&env, &server, Default::default())?;
@@ -60,18 +63,26 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
     // Unmeshed client to meshed server, IPv6: HAProxy takes the destination from getsockname,
     // which sk_assign leaves as the original destination.
     let v6 = url(server.ipv6.context("no IPv6")?.into(), 80, "/");
-    ensure!(http_get(&env, &outsider, APP_UID, &v6)? == body, "IPv6 inbound failed");
+    ensure!(
+        http_get(&env, &outsider, APP_UID, &v6)? == body,
+        "IPv6 inbound failed"
+    );
 
     // Excluded inbound ports are not captured: 15020 reaches a plain listener directly.
     let _metrics = server.spawn(
         &env,
-        Spawn::new(&[probe(), "proxy", "0.0.0.0:15020", "-", "--no-forward"]).user(APP_UID, APP_UID),
+        Spawn::new(&[probe(), "proxy", "0.0.0.0:15020", "-", "--no-forward"])
+            .user(APP_UID, APP_UID),
     )?;
     std::thread::sleep(Duration::from_millis(200));
     let out = outsider.run(
         &env,
         APP_UID,
-        &[probe(), "connect", &SocketAddr::new(server.ipv4.into(), 15020).to_string()],
+        &[
+            probe(),
+            "connect",
+            &SocketAddr::new(server.ipv4.into(), 15020).to_string(),
+        ],
     )?;
     let seen: Value = serde_json::from_slice(&out.stdout)?;
     ensure!(seen["peer"] == format!("{}:15020", server.ipv4), "{seen}");
@@ -97,20 +108,76 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
             .context("the inbound listener saw nothing")?,
     )?;
     ensure!(line["local"] == target.to_string(), "getsockname: {line}");
-    ensure!(line["orig_v4"]["addr"] == target.to_string(), "SO_ORIGINAL_DST: {line}");
     ensure!(
-        line["peer"].as_str().unwrap_or("").starts_with(&outsider.ipv4.to_string()),
+        line["orig_v4"]["addr"] == target.to_string(),
+        "SO_ORIGINAL_DST: {line}"
+    );
+    ensure!(
+        line["peer"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with(&outsider.ipv4.to_string()),
         "peer: {line}"
     );
 
     // Unenrolled, the server is reachable directly again and its tc link is gone.
     loaded.unenroll(&server)?;
     let status = loaded.status()?;
-    ensure!(status["pods"].as_array().map(Vec::len) == Some(1), "{status}");
+    ensure!(
+        status["pods"].as_array().map(Vec::len) == Some(1),
+        "{status}"
+    );
     let links = env.pin_root().join("links/tc");
     ensure!(
         std::fs::read_dir(&links).map(|d| d.count()).unwrap_or(0) == 1,
         "tc links left for the server"
     );
+    Ok(())
+}
+
+/// A client that reuses its source ports faster than TIME_WAIT ends: each new SYN lands on a
+/// 4-tuple the server pod still holds in TIME_WAIT. tc leaves such SYNs to the kernel, and
+/// sk_lookup steers the kernel's TIME_WAIT recycling to the proxy; without it they were lost.
+#[test]
+fn port_reuse_onto_time_wait_still_reaches_the_proxy() -> Result<()> {
+    if skip_unless_root("port_reuse_onto_time_wait_still_reaches_the_proxy") {
+        return Ok(());
+    }
+    let env = TestEnv::new("timewait")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let client = node.add_pod("client")?;
+    let server = node.add_pod("server")?;
+    let _web = nginx::Server::start(&env, &server, 80)?;
+    let loaded = Loaded::load(&env)?;
+    loaded.enroll(&client, &[])?;
+    loaded.enroll(&server, &[])?;
+    let _c = haproxy::Sidecar::start(&env, &client, Default::default())?;
+    let _s = haproxy::Sidecar::start(&env, &server, Default::default())?;
+    // 101 source ports for 300 connections: most reuse a 4-tuple in TIME_WAIT on the server.
+    sidestep_tests::netns::set_sysctl(
+        &client.netns_path,
+        "net.ipv4.ip_local_port_range",
+        "40000 40100",
+    )?;
+    let target = url(server.ipv4.into(), 80, "/");
+    let mut argv = vec![
+        "curl",
+        "-sS",
+        "--max-time",
+        "2",
+        "-H",
+        "Connection: close",
+        "-o",
+        "/dev/null",
+    ];
+    argv.extend(["-w", "%{http_code}\n"]);
+    const REQUESTS: usize = 300;
+    for _ in 0..REQUESTS {
+        argv.push(&target);
+    }
+    let out = client.run(&env, APP_UID, &argv)?;
+    let ok = String::from_utf8_lossy(&out.stdout).matches("200").count();
+    ensure!(ok == REQUESTS, "{ok}/{REQUESTS} requests succeeded");
+    ensure!(counter(&loaded, &server, "redirected_inbound")? >= REQUESTS as u64);
     Ok(())
 }

@@ -7,7 +7,7 @@
 use std::{collections::HashSet, path::Path};
 
 use aya::maps::lpm_trie::Key;
-use sidestep_abi::{CidrKey, PortKey, flags, map_names};
+use sidestep_abi::{CidrKey, InterfaceKey, PortKey, flags, map_names};
 
 use crate::{
     error::{EnrollError, MapsError},
@@ -52,7 +52,16 @@ pub fn enroll(
             interfaces,
             &policy.exclude_interfaces,
         ) {
-            Ok(a) => a,
+            Ok(a) => {
+                if let Err(e) = set_interfaces(&mut maps, netns_cookie, &a) {
+                    if !was_enrolled {
+                        let _ = unenroll_cookie(&mut maps, netns_cookie);
+                        let _ = tc::detach_inbound(&layout, netns_cookie);
+                    }
+                    return Err(e.into());
+                }
+                a.into_iter().map(|(name, _)| name).collect()
+            }
             Err(e) => {
                 if !was_enrolled {
                     let _ = unenroll_cookie(&mut maps, netns_cookie);
@@ -168,6 +177,41 @@ fn remove_addresses(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[[u32; 4]])
     }
 }
 
+/// Records which interfaces carry inbound capture, replacing the pod's earlier set.
+fn set_interfaces(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    attached: &[(String, u32)],
+) -> Result<(), MapsError> {
+    let keys: Vec<InterfaceKey> = attached
+        .iter()
+        .map(|(_, ifindex)| InterfaceKey {
+            netns_cookie,
+            ifindex: *ifindex,
+            _reserved: 0,
+        })
+        .collect();
+    for key in &keys {
+        maps.interfaces
+            .insert(key, 1, 0)
+            .map_err(|e| classify(map_names::INTERFACES, 0, e))?;
+    }
+    remove_interfaces(maps, netns_cookie, &keys);
+    Ok(())
+}
+
+fn remove_interfaces(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[InterfaceKey]) {
+    let stale: Vec<InterfaceKey> = maps
+        .interfaces
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.netns_cookie == netns_cookie && !keep.contains(k))
+        .collect();
+    for key in stale {
+        let _ = maps.interfaces.remove(&key);
+    }
+}
+
 fn port_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<PortKey> {
     maps.ports
         .keys()
@@ -207,6 +251,7 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
     }
     let _ = maps.counters.remove(&netns_cookie);
     remove_addresses(maps, netns_cookie, &[]);
+    remove_interfaces(maps, netns_cookie, &[]);
     Ok(was_enrolled)
 }
 

@@ -88,7 +88,7 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
 ];
 
 /// Programs attached per pod (inside its netns) rather than at the cgroup.
-pub const POD_PROGRAMS: [&str; 1] = [program_names::TC_INGRESS];
+pub const POD_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::SK_LOOKUP];
 
 /// Programs attached to a map rather than a hook.
 pub const MAP_PROGRAMS: [&str; 1] = [program_names::SK_MSG];
@@ -137,6 +137,7 @@ fn load_program(program: &mut Program, name: &'static str) -> Result<(), LoadErr
         Program::CgroupSockopt(p) => p.load(),
         Program::SchedClassifier(p) => p.load(),
         Program::SkMsg(p) => p.load(),
+        Program::SkLookup(p) => p.load(),
         _ => Err(ProgramError::UnexpectedProgramType),
     };
     result.map_err(|source| LoadError::ProgramLoad { name, source })

@@ -13,6 +13,7 @@ pub type PortMap = HashMap<MapData, PortKey, u8>;
 pub type CidrMap = LpmTrie<MapData, CidrKey, u8>;
 pub type CounterMap = PerCpuHashMap<MapData, u64, Counters>;
 pub type AddressMap = HashMap<MapData, [u32; 4], u64>;
+pub type InterfaceMap = HashMap<MapData, sidestep_abi::InterfaceKey, u8>;
 
 pub struct PolicyMaps {
     pub pods: PodMap,
@@ -20,6 +21,7 @@ pub struct PolicyMaps {
     pub cidrs: CidrMap,
     pub counters: CounterMap,
     pub addresses: AddressMap,
+    pub interfaces: InterfaceMap,
     pub pod_capacity: u32,
 }
 
@@ -56,6 +58,7 @@ impl PolicyMaps {
             cidrs: typed(&layout, map_names::CIDR_RULES)?,
             counters: typed(&layout, map_names::COUNTERS)?,
             addresses: typed(&layout, map_names::POD_ADDRESSES)?,
+            interfaces: typed(&layout, map_names::INTERFACES)?,
             pod_capacity,
         })
     }

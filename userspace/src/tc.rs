@@ -34,7 +34,7 @@ pub fn attach_inbound(
     netns_cookie: u64,
     interfaces: Option<&[String]>,
     excluded: &[String],
-) -> Result<Vec<String>, EnrollError> {
+) -> Result<Vec<(String, u32)>, EnrollError> {
     let dir = pod_links_dir(layout, netns_cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::StateDir {
         path: dir.clone(),
@@ -77,8 +77,13 @@ pub fn attach_inbound(
                 Err(aya::programs::links::LinkError::InvalidLink) => {}
                 Err(e) => return Err(std::io::Error::other(e)),
             }
-            attached.push(name);
+            let ifindex = nix::net::if_::if_nametoindex(name.as_str())?;
+            attached.push((name, ifindex));
         }
+        Ok(attached)
+    });
+    let result = result.and_then(|attached| {
+        attach_sk_lookup(layout, netns, netns_cookie)?;
         Ok(attached)
     });
     match result {
@@ -104,8 +109,47 @@ fn detach_links_under_file(pin: &std::path::Path) {
     let _ = fs::remove_file(pin);
 }
 
-/// Detaches every tc link of the pod. Works when the netns is already gone. Idempotent.
+fn sk_lookup_pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
+    layout
+        .links_dir()
+        .join("sklookup")
+        .join(netns_cookie.to_string())
+}
+
+/// The pod's sk_lookup link (the kernel's listener lookup, for SYNs tc leaves to it).
+fn attach_sk_lookup(
+    layout: &PinLayout,
+    netns: &Netns,
+    netns_cookie: u64,
+) -> Result<(), crate::error::NetnsError> {
+    let pin = sk_lookup_pin(layout, netns_cookie);
+    let io = |e: std::io::Error| crate::error::NetnsError::Enter {
+        path: netns.path().to_path_buf(),
+        source: e,
+    };
+    if pin.exists() {
+        return Ok(());
+    }
+    fs::create_dir_all(pin.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
+    let mut prog = aya::programs::SkLookup::from_pin(layout.program(program_names::SK_LOOKUP))
+        .map_err(|e| io(std::io::Error::other(e)))?;
+    let netns_file = fs::File::open(netns.path()).map_err(io)?;
+    let id = prog
+        .attach(&netns_file)
+        .map_err(|e| io(std::io::Error::other(format!("attach sk_lookup: {e}"))))?;
+    let link: FdLink = prog
+        .take_link(id)
+        .map_err(|e| io(std::io::Error::other(e)))?
+        .into();
+    link.pin(&pin)
+        .map_err(|e| io(std::io::Error::other(format!("pin {}: {e}", pin.display()))))?;
+    Ok(())
+}
+
+/// Detaches every inbound link of the pod (tc and sk_lookup). Works when the netns is already
+/// gone. Idempotent.
 pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadError> {
+    detach_links_under_file(&sk_lookup_pin(layout, netns_cookie));
     let dir = pod_links_dir(layout, netns_cookie);
     detach_links_under(&dir)?;
     match fs::remove_dir(&dir) {

@@ -16,7 +16,11 @@ pub mod map_names {
     pub const PENDING_ORIG_DST: &str = "SIDESTEP_PEND";
     pub const POD_ADDRESSES: &str = "SIDESTEP_ADDRS";
     pub const SOCKETS: &str = "SIDESTEP_SOCKS";
-    pub const ALL: [&str; 8] = [
+    pub const LISTENERS: &str = "SIDESTEP_LSTN";
+    pub const INTERFACES: &str = "SIDESTEP_IFACES";
+    pub const ALL: [&str; 10] = [
+        LISTENERS,
+        INTERFACES,
         SOCKETS,
         POD_ADDRESSES,
         POD_POLICY,
@@ -42,6 +46,7 @@ pub mod program_names {
     pub const RECVMSG4: &str = "sidestep_recvmsg4";
     pub const RECVMSG6: &str = "sidestep_recvmsg6";
     pub const SK_MSG: &str = "sidestep_sk_msg";
+    pub const SK_LOOKUP: &str = "sidestep_sk_lookup";
 }
 
 /// Default capacities. Userspace may override them at load time.
@@ -55,6 +60,7 @@ pub mod capacity {
     pub const PENDING: u32 = 65536;
     /// App and proxy sockets of local redirected connections, for sk_msg (two per connection).
     pub const SOCKETS: u32 = 65536;
+    pub const INTERFACES: u32 = 4 * PODS;
 }
 
 pub mod defaults {
@@ -202,6 +208,24 @@ pub struct TupleKey {
     pub _reserved: u32,
 }
 
+/// Key of `SIDESTEP_LSTN`: a pod's inbound proxy listener, per address family.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    pub netns_cookie: u64,
+    pub family: u32,
+    pub port: u32,
+}
+
+/// Key of `SIDESTEP_IFACES`: an interface of a pod that carries inbound capture. Value: 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct InterfaceKey {
+    pub netns_cookie: u64,
+    pub ifindex: u32,
+    pub _reserved: u32,
+}
+
 /// Per-pod, per-CPU counters, keyed by netns cookie.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -272,6 +296,10 @@ mod user {
     unsafe impl aya::Pod for TupleKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Counters {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for ListenerKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for InterfaceKey {}
 }
 
 #[cfg(test)]

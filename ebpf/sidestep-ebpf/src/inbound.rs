@@ -36,7 +36,6 @@ const IPV6_HLEN: usize = 40;
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
 const TCP_LISTEN: u32 = 10;
-const TCP_TIME_WAIT: u32 = 6;
 
 /// An inbound TCP segment, as much of it as the decision needs.
 struct Segment {
@@ -98,7 +97,7 @@ fn parse(ctx: &TcContext) -> Option<Segment> {
 
 /// Whether istio-iptables' ISTIO_INBOUND chain would redirect this destination port.
 #[inline(always)]
-fn captures_port(netns_cookie: u64, pod: &PodPolicy, port: u16) -> bool {
+pub fn captures_port(netns_cookie: u64, pod: &PodPolicy, port: u16) -> bool {
     if pod.flags & flags::INBOUND == 0
         || port_listed(netns_cookie, port_list::INBOUND_EXCLUDE, port)
     {
@@ -138,10 +137,13 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         return NEXT;
     }
     // A retransmitted SYN belongs to a handshake already under way: leave it to that socket.
+    // A SYN onto a TIME_WAIT 4-tuple is left to the kernel too: assigned here, the new request
+    // socket could not be hashed beside the TIME_WAIT one and the SYN would be lost. The kernel
+    // recycles the TIME_WAIT socket and looks up a listener, which `sidestep_sk_lookup` steers
+    // to the proxy.
     let mut tuple = socket_tuple(seg, seg.dst_port_be);
     if let Some(state) = lookup_state(ctx, &mut tuple, seg.ipv6)
         && state != TCP_LISTEN
-        && state != TCP_TIME_WAIT
     {
         return NEXT;
     }

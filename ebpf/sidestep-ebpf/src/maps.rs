@@ -4,7 +4,9 @@ use aya_ebpf::{
     btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage, SockHash},
     macros::btf_map,
 };
-use sidestep_abi::{CidrKey, Counters, OrigDst, PodPolicy, PortKey, TupleKey, capacity};
+use sidestep_abi::{
+    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PortKey, TupleKey, capacity,
+};
 
 /// Enrolment: a netns with no entry here is never touched.
 #[btf_map]
@@ -43,6 +45,15 @@ pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as u
 /// it closes.
 #[btf_map]
 pub static SIDESTEP_SOCKS: SockHash<TupleKey, { capacity::SOCKETS as usize }> = SockHash::new();
+
+/// Each enrolled pod's inbound proxy listeners, added by sockops when they listen.
+#[btf_map]
+pub static SIDESTEP_LSTN: SockHash<ListenerKey, { capacity::PODS as usize * 2 }> = SockHash::new();
+
+/// The interfaces each pod captures inbound on (those carrying the tc program).
+#[btf_map]
+pub static SIDESTEP_IFACES: HashMap<InterfaceKey, u8, { capacity::INTERFACES as usize }> =
+    HashMap::new();
 
 /// Looks up (and with `init`, creates) the original destination stored on any socket pointer the
 /// verifier accepts for sk_storage: the `sk` of a sock_addr, sock_ops or sockopt context.

@@ -11,17 +11,19 @@ use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
         BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
-        BPF_TCP_CLOSE, bpf_sock_ops,
+        BPF_SOCK_OPS_TCP_LISTEN_CB, BPF_TCP_CLOSE, bpf_sock_ops,
     },
     helpers::generated::bpf_get_netns_cookie,
     macros::sock_ops,
     programs::SockOpsContext,
 };
-use sidestep_abi::{OrigDst, TupleKey, flags, linux, redirect_kind, socket_side, v4_mapped};
+use sidestep_abi::{
+    ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, socket_side, v4_mapped,
+};
 
 use crate::{
     context::{load, load_ip6},
-    maps::{SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
+    maps::{SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
 };
 
 #[sock_ops]
@@ -51,6 +53,10 @@ unsafe fn handle(ctx: &SockOpsContext) {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
             // SAFETY: forwarded from our caller.
             unsafe { on_established(ctx) }
+        }
+        BPF_SOCK_OPS_TCP_LISTEN_CB => {
+            // SAFETY: forwarded from our caller.
+            unsafe { on_listen(ctx) }
         }
         BPF_SOCK_OPS_STATE_CB => {
             // SAFETY: args[1] is the new state for STATE_CB.
@@ -195,6 +201,37 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
             };
         }
     }
+}
+
+/// A socket listens: if it is an enrolled pod's inbound proxy listener, remember it for
+/// sk_lookup, which hands it the SYNs that the kernel's TIME_WAIT recycling looks up.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_listen(ctx: &SockOpsContext) {
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some(pod) = crate::policy::pod_policy(netns_cookie) else {
+        return;
+    };
+    // SAFETY: 4-byte context fields.
+    let (port, family) = unsafe {
+        (
+            load(&raw const (*ctx.ops).local_port),
+            load(&raw const (*ctx.ops).family),
+        )
+    };
+    if port != u32::from(pod.inbound_port) || pod.flags & flags::INBOUND == 0 {
+        return;
+    }
+    let key = ListenerKey {
+        netns_cookie,
+        family,
+        port,
+    };
+    // SAFETY: `ctx.ops` is the live sock_ops context the helper needs.
+    let _ = SIDESTEP_LSTN.update(key, unsafe { &mut *ctx.ops }, 0);
 }
 
 /// The app's redirected socket is connected to its proxy: with sk_msg on, join the sockhash.

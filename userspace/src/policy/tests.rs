@@ -97,7 +97,10 @@ fn pod_ips_become_address_entries() {
     };
     let e = p.to_map_entries(3);
     assert_eq!(e.addresses.len(), 2);
-    assert_eq!(e.addresses[0], [0, 0, 0xffff_u32.to_be(), u32::from_ne_bytes([10, 9, 8, 7])]);
+    assert_eq!(
+        e.addresses[0],
+        [0, 0, 0xffff_u32.to_be(), u32::from_ne_bytes([10, 9, 8, 7])]
+    );
     assert_eq!(e.addresses[1][3], u32::from_ne_bytes([0, 0, 0, 7]));
     assert_ne!(e.pod.flags & flags::OUTBOUND_ALL_RANGES, 0);
 }

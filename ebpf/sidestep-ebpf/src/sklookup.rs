@@ -1,0 +1,111 @@
+//! sk_lookup, per pod netns: steers the kernel's own listener lookup for a captured inbound
+//! connection to the proxy's listener. tc ingress assigns new SYNs before any lookup happens;
+//! this program covers the SYN that tc leaves to the kernel because its 4-tuple is still in
+//! TIME_WAIT (the kernel recycles the TIME_WAIT socket, then looks up a listener). Either way the
+//! proxy accepts, and the original destination is published for SO_ORIGINAL_DST.
+
+use aya_ebpf::{
+    bindings::sk_action::{SK_DROP, SK_PASS},
+    macros::sk_lookup,
+    programs::SkLookupContext,
+};
+use sidestep_abi::{
+    InterfaceKey, ListenerKey, OrigDst, TupleKey, linux, redirect_kind, socket_side, v4_mapped,
+};
+
+use crate::{
+    context::{load, load_ip6},
+    inbound::captures_port,
+    maps::{SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_PEND},
+    policy,
+};
+
+const LOOPBACK_IFINDEX: u32 = 1;
+
+#[sk_lookup]
+pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
+    let sl = ctx.lookup;
+    // SAFETY: 4-byte context fields of bpf_sk_lookup, every one read on every path.
+    let (protocol, family, ifindex, local4, local6, local_port, remote4, remote6, remote_port) = unsafe {
+        (
+            load(&raw const (*sl).protocol),
+            load(&raw const (*sl).family),
+            load(&raw const (*sl).ingress_ifindex),
+            load(&raw const (*sl).local_ip4),
+            load_ip6(&raw const (*sl).local_ip6),
+            load(&raw const (*sl).local_port),
+            load(&raw const (*sl).remote_ip4),
+            load_ip6(&raw const (*sl).remote_ip6),
+            // remote_port is a __be16 followed by padding; read the whole word.
+            load((&raw const (*sl).remote_port).cast::<u32>()),
+        )
+    };
+    // Only TCP from outside the pod: over lo come the proxy's own hand-offs to the app.
+    if protocol != linux::IPPROTO_TCP || ifindex == LOOPBACK_IFINDEX {
+        return SK_PASS;
+    }
+    let v4 = family == u32::from(linux::AF_INET);
+    let (local, remote) = if v4 {
+        (v4_mapped(local4), v4_mapped(remote4))
+    } else {
+        (local6, remote6)
+    };
+    // From a loopback source comes the proxy's hand-off to the app (127.0.0.6) or the app
+    // calling itself: never captured inbound.
+    if policy::is_loopback(&remote) || policy::is_passthrough_source(&remote) {
+        return SK_PASS;
+    }
+    // SAFETY: the value is copied out at once.
+    let Some(netns_cookie) = (unsafe { SIDESTEP_ADDRS.get(local) }).copied() else {
+        return SK_PASS;
+    };
+    let iface = InterfaceKey {
+        netns_cookie,
+        ifindex,
+        _reserved: 0,
+    };
+    if SIDESTEP_IFACES.get_ptr(iface).is_none() {
+        return SK_PASS;
+    }
+    let Some(pod) = policy::pod_policy(netns_cookie) else {
+        return SK_PASS;
+    };
+    let port = local_port as u16;
+    if port == pod.inbound_port || !captures_port(netns_cookie, &pod, port) {
+        return SK_PASS;
+    }
+    let mut key = ListenerKey {
+        netns_cookie,
+        family,
+        port: u32::from(pod.inbound_port),
+    };
+    let mut assigned = SIDESTEP_LSTN.redirect_sk_lookup(&ctx, key, 0).is_ok();
+    if !assigned && v4 {
+        // A dual-stack listener on [::] serves IPv4 too.
+        key.family = u32::from(linux::AF_INET6);
+        assigned = SIDESTEP_LSTN.redirect_sk_lookup(&ctx, key, 0).is_ok();
+    }
+    if !assigned {
+        // Captured, but no proxy listens: refuse rather than deliver around the proxy.
+        return SK_DROP;
+    }
+    let remote_port = u16::from_be(remote_port as u16);
+    let pending = TupleKey {
+        netns_cookie,
+        client_addr: remote,
+        server_addr: local,
+        client_port: remote_port,
+        server_port: port,
+        _reserved: 0,
+    };
+    let orig = OrigDst {
+        addr: local,
+        port_be: port.to_be(),
+        kind: redirect_kind::INBOUND,
+        family: if v4 { linux::AF_INET } else { linux::AF_INET6 },
+        side: socket_side::ACCEPTED,
+    };
+    let _ = SIDESTEP_PEND.insert(pending, orig, 0);
+    policy::count(netns_cookie, |c| c.redirected_inbound += 1);
+    SK_PASS
+}
