@@ -80,7 +80,14 @@ impl Loaded {
 
     pub fn unenroll(&self, pod: &Pod) -> Result<()> {
         let netns = pod.netns_path.display().to_string();
-        sidestep(&["unenroll", "--pin-root", &self.root_arg(), "--netns", &netns]).map(drop)
+        sidestep(&[
+            "unenroll",
+            "--pin-root",
+            &self.root_arg(),
+            "--netns",
+            &netns,
+        ])
+        .map(drop)
     }
 
     pub fn status(&self) -> Result<Value> {
@@ -112,4 +119,38 @@ impl Drop for Loaded {
             eprintln!("sidestep unload in drop: {e:#}");
         }
     }
+}
+
+/// A CNI plugin directory for the test, where the sidestep-cni binary answers to its `type`,
+/// `sidestep`, as the agent installs it on a node.
+pub fn cni_plugin_dir(env: &TestEnv) -> Result<PathBuf> {
+    let dir = env.tmp_dir().join("cni-bin");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let bin = bin_dir().join("sidestep-cni");
+    if !bin.is_file() {
+        bail!(
+            "{} is missing: run `cargo build --workspace`",
+            bin.display()
+        );
+    }
+    let link = dir.join("sidestep");
+    if !link.exists() {
+        std::os::unix::fs::symlink(&bin, &link)
+            .with_context(|| format!("linking {}", link.display()))?;
+    }
+    Ok(dir)
+}
+
+/// The plugins chained after `bridge` on a node: portmap, then sidestep-cni with pod annotations
+/// from the runtime. Callers add fields to the second entry as they need.
+pub fn cni_chain(pin_root: &Path, state_dir: &Path) -> Vec<Value> {
+    vec![
+        serde_json::json!({"type": "portmap", "capabilities": {"portMappings": true}, "snat": false}),
+        serde_json::json!({
+            "type": "sidestep",
+            "pin_root": pin_root,
+            "state_dir": state_dir,
+            "capabilities": {"io.kubernetes.cri.pod-annotations": true},
+        }),
+    ]
 }

@@ -27,7 +27,7 @@ use sidestep_tests::{
     ChildGuard, Node, NodeOptions, Pod, PodOptions, Spawn, TestEnv,
     cni::{self, Invocation},
     haproxy, netns,
-    sidestep::{Loaded, bin_dir},
+    sidestep::Loaded,
     skip_unless_root, wait_listening,
 };
 
@@ -247,14 +247,6 @@ fn foreign_roots(o: &Objects, ours: &Path) -> BTreeSet<String> {
         .collect()
 }
 
-/// A plugin directory where the sidestep-cni binary answers to its `type`, `sidestep`.
-fn plugin_dir(env: &TestEnv) -> Result<PathBuf> {
-    let dir = env.tmp_dir().join("cni-bin");
-    std::fs::create_dir_all(&dir)?;
-    std::os::unix::fs::symlink(bin_dir().join("sidestep-cni"), dir.join("sidestep"))?;
-    Ok(dir)
-}
-
 /// The chain after bridge: portmap, then sidestep-cni.
 fn chain(pin_root: &Path, state_dir: &Path) -> Vec<Value> {
     vec![
@@ -290,7 +282,7 @@ impl ChainNode {
             NodeOptions {
                 dual_stack,
                 chain: chain.clone(),
-                plugin_dirs: vec![plugin_dir(env)?],
+                plugin_dirs: vec![sidestep_tests::sidestep::cni_plugin_dir(env)?],
             },
         )?;
         let mut plugins = vec![node.bridge_plugin()];

@@ -3,26 +3,17 @@
 //! the chain carry traffic through HAProxy sidecars both ways; deleting them leaves nothing.
 //! Needs root; skips otherwise.
 
-use std::{path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use serde_json::json;
 use sidestep_tests::{
-    Node, NodeOptions, PodOptions, TestEnv, haproxy, http_get, nginx,
-    sidestep::{Loaded, bin_dir},
+    Node, NodeOptions, PodOptions, TestEnv, haproxy, http_get, nginx, sidestep::Loaded,
     skip_unless_root, url,
 };
 
 const APP_UID: u32 = 1000;
 const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
-
-/// A plugin directory where the sidestep-cni binary answers to its `type`, `sidestep`.
-fn plugin_dir(env: &TestEnv) -> Result<PathBuf> {
-    let dir = env.tmp_dir().join("cni-bin");
-    std::fs::create_dir_all(&dir)?;
-    std::os::unix::fs::symlink(bin_dir().join("sidestep-cni"), dir.join("sidestep"))?;
-    Ok(dir)
-}
 
 #[test]
 fn pods_through_the_real_chain() -> Result<()> {
@@ -36,16 +27,8 @@ fn pods_through_the_real_chain() -> Result<()> {
         &env,
         NodeOptions {
             dual_stack: true,
-            chain: vec![
-                json!({"type": "portmap", "capabilities": {"portMappings": true}, "snat": false}),
-                json!({
-                    "type": "sidestep",
-                    "pin_root": loaded.pin_root(),
-                    "state_dir": state_dir,
-                    "capabilities": {"io.kubernetes.cri.pod-annotations": true},
-                }),
-            ],
-            plugin_dirs: vec![plugin_dir(&env)?],
+            chain: sidestep_tests::sidestep::cni_chain(loaded.pin_root(), &state_dir),
+            plugin_dirs: vec![sidestep_tests::sidestep::cni_plugin_dir(&env)?],
         },
     )?;
     let meshed = PodOptions {
@@ -75,8 +58,13 @@ fn pods_through_the_real_chain() -> Result<()> {
         .filter_map(|p| p["netns_cookie"].as_u64())
         .collect();
     ensure!(enrolled.len() == 2, "{status}");
-    ensure!(enrolled.contains(&client.netns_cookie()?) && enrolled.contains(&server.netns_cookie()?));
-    ensure!(!enrolled.contains(&plain.netns_cookie()?), "unmeshed pod enrolled");
+    ensure!(
+        enrolled.contains(&client.netns_cookie()?) && enrolled.contains(&server.netns_cookie()?)
+    );
+    ensure!(
+        !enrolled.contains(&plain.netns_cookie()?),
+        "unmeshed pod enrolled"
+    );
     // The pod IPs came from prevResult, dual-stack: inbound capture is on eth0.
     for pod in status["pods"].as_array().into_iter().flatten() {
         ensure!(pod["interfaces"] == json!(["eth0"]), "{pod}");
@@ -86,23 +74,39 @@ fn pods_through_the_real_chain() -> Result<()> {
     let body = nginx::body_for("server");
     let target = url(server.ipv4.into(), 80, "/");
     // Captured both ways with no sidecars up: nothing gets through.
-    ensure!(http_get(&env, &client, APP_UID, &target).is_err(), "not captured");
+    ensure!(
+        http_get(&env, &client, APP_UID, &target).is_err(),
+        "not captured"
+    );
     let _c = haproxy::Sidecar::start(&env, &client, Default::default())?;
     let s = haproxy::Sidecar::start(&env, &server, Default::default())?;
     ensure!(http_get(&env, &client, APP_UID, &target)? == body);
     s.wait_log(&[&format!("{}:80", server.ipv4)], Duration::from_secs(5))?;
-    ensure!(http_get(&env, &plain, APP_UID, &target)? == body, "unmeshed client to meshed server");
+    ensure!(
+        http_get(&env, &plain, APP_UID, &target)? == body,
+        "unmeshed client to meshed server"
+    );
 
     // CNI DEL through the chain, in reverse: enrolment, tc links and records are gone.
     node.remove_pod(&client)?;
     node.remove_pod(&server)?;
     let status = loaded.status()?;
-    ensure!(status["pods"].as_array().map(Vec::len) == Some(0), "{status}");
+    ensure!(
+        status["pods"].as_array().map(Vec::len) == Some(0),
+        "{status}"
+    );
     let tc = loaded.pin_root().join("links/tc");
-    ensure!(std::fs::read_dir(&tc).map(|d| d.count()).unwrap_or(0) == 0, "tc links left");
+    ensure!(
+        std::fs::read_dir(&tc).map(|d| d.count()).unwrap_or(0) == 0,
+        "tc links left"
+    );
     let records = std::fs::read_dir(&state_dir)
         .map(|d| d.flatten().filter(|e| e.path().is_file()).count())
         .unwrap_or(0);
-    ensure!(records == 0, "{records} state records left in {}", state_dir.display());
+    ensure!(
+        records == 0,
+        "{records} state records left in {}",
+        state_dir.display()
+    );
     Ok(())
 }

@@ -12,19 +12,11 @@ use serde_json::{Value, json};
 use sidestep_tests::{
     Node, NodeOptions, PodOptions, TestEnv, cgroup2_mount, nginx,
     podman::{self, Podman, Sidecar},
-    sidestep::{Loaded, bin_dir},
+    sidestep::Loaded,
     skip_unless_root, url,
 };
 
 const APP_UID: u32 = 1000;
-
-/// A plugin directory where the sidestep-cni binary answers to its `type`, `sidestep`.
-fn plugin_dir(env: &TestEnv) -> Result<PathBuf> {
-    let dir = env.tmp_dir().join("cni-bin");
-    std::fs::create_dir_all(&dir)?;
-    std::os::unix::fs::symlink(bin_dir().join("sidestep-cni"), dir.join("sidestep"))?;
-    Ok(dir)
-}
 
 fn enrolled(loaded: &Loaded) -> Result<Vec<u64>> {
     Ok(loaded.status()?["pods"]
@@ -82,7 +74,7 @@ fn podman_pods_through_sidestep_cni() -> Result<()> {
     let loaded = Loaded::load(&env)?;
     let state_dir = env.tmp_dir().join("cni-state");
     let cni_log = env.tmp_dir().join("sidestep-cni.log");
-    let plugins = plugin_dir(&env)?;
+    let plugins = sidestep_tests::sidestep::cni_plugin_dir(&env)?;
     let node = Node::new(
         &env,
         NodeOptions {

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use sidestep_tests::{
     Node, NodeOptions, Pod, PodOptions, TestEnv, haproxy, link_exists, nginx,
-    sidestep::{Loaded, bin_dir, sidestep},
+    sidestep::{Loaded, sidestep},
     skip_unless_root, url,
 };
 
@@ -74,20 +74,6 @@ fn enrolled(loaded: &Loaded) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// A plugin directory where the sidestep-cni binary answers to its `type`, `sidestep`.
-fn plugin_dir(env: &TestEnv) -> Result<PathBuf> {
-    let dir = env.tmp_dir().join("cni-bin");
-    std::fs::create_dir_all(&dir)?;
-    let bin = bin_dir().join("sidestep-cni");
-    anyhow::ensure!(
-        bin.is_file(),
-        "{} is missing: run `cargo build --workspace`",
-        bin.display()
-    );
-    std::os::unix::fs::symlink(bin, dir.join("sidestep"))?;
-    Ok(dir)
-}
-
 fn run(lines: &mut Vec<Line>) -> Result<Made> {
     let env = TestEnv::new("demo")?;
     let loaded = Loaded::load(&env)?;
@@ -101,16 +87,8 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
         &env,
         NodeOptions {
             dual_stack: true,
-            chain: vec![
-                json!({"type": "portmap", "capabilities": {"portMappings": true}, "snat": false}),
-                json!({
-                    "type": "sidestep",
-                    "pin_root": loaded.pin_root(),
-                    "state_dir": state_dir,
-                    "capabilities": {"io.kubernetes.cri.pod-annotations": true},
-                }),
-            ],
-            plugin_dirs: vec![plugin_dir(&env)?],
+            chain: sidestep_tests::sidestep::cni_chain(loaded.pin_root(), &state_dir),
+            plugin_dirs: vec![sidestep_tests::sidestep::cni_plugin_dir(&env)?],
         },
     )?;
     let made = Made {
