@@ -715,7 +715,9 @@ fn option_memory_exhaustion_does_not_bypass() -> Result<()> {
             ));
         }
         if proxy.is_empty() && v["errno"] != EPERM {
-            problems.push(format!("{target}: neither captured nor refused with EPERM: {v}"));
+            problems.push(format!(
+                "{target}: neither captured nor refused with EPERM: {v}"
+            ));
         }
     }
     if !problems.is_empty() {

@@ -38,10 +38,19 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     loaded.enroll(&pod, &["--dns-capture"])?;
 
     // The "proxy" DNS listener on 15053 (UDP and TCP), and a real resolver in another pod.
-    let _udp4 = pod.spawn(&env, Spawn::new(&[probe(), "udp-serve", "127.0.0.1:15053"]).user(PROXY_UID, PROXY_UID))?;
-    let _udp6 = pod.spawn(&env, Spawn::new(&[probe(), "udp-serve", "[::1]:15053"]).user(PROXY_UID, PROXY_UID))?;
-    let tcp = pod.spawn(&env, Spawn::new(&[probe(), "proxy", "127.0.0.1:15053", "-", "--no-forward"])
-            .user(PROXY_UID, PROXY_UID))?;
+    let _udp4 = pod.spawn(
+        &env,
+        Spawn::new(&[probe(), "udp-serve", "127.0.0.1:15053"]).user(PROXY_UID, PROXY_UID),
+    )?;
+    let _udp6 = pod.spawn(
+        &env,
+        Spawn::new(&[probe(), "udp-serve", "[::1]:15053"]).user(PROXY_UID, PROXY_UID),
+    )?;
+    let tcp = pod.spawn(
+        &env,
+        Spawn::new(&[probe(), "proxy", "127.0.0.1:15053", "-", "--no-forward"])
+            .user(PROXY_UID, PROXY_UID),
+    )?;
     let real = format!("{}:53", resolver.ipv4);
     let _upstream = resolver.spawn(&env, Spawn::new(&[probe(), "udp-serve", "0.0.0.0:53"]))?;
     std::thread::sleep(Duration::from_millis(300));
@@ -49,21 +58,42 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     // Unconnected UDP: answered by the listener, reported as coming from the server asked.
     let r = query(&env, &pod, APP_UID, &real, false)?;
     ensure!(r["from"] == real, "{r}");
-    ensure!(r["reply"].as_str().unwrap_or("").starts_with("reply to 127.0.0.1:"), "not captured: {r}");
+    ensure!(
+        r["reply"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("reply to 127.0.0.1:"),
+        "not captured: {r}"
+    );
     // Connected UDP.
     let r = query(&env, &pod, APP_UID, &real, true)?;
     ensure!(r["from"] == real, "{r}");
-    ensure!(r["reply"].as_str().unwrap_or("").starts_with("reply to 127.0.0.1:"), "not captured: {r}");
+    ensure!(
+        r["reply"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("reply to 127.0.0.1:"),
+        "not captured: {r}"
+    );
     // IPv6 unconnected UDP.
     let real6 = format!("[{}]:53", resolver.ipv6.context("IPv6")?);
     let r = query(&env, &pod, APP_UID, &real6, false)?;
     ensure!(r["from"] == real6, "{r}");
-    ensure!(r["reply"].as_str().unwrap_or("").starts_with("reply to [::1]:"), "v6 not captured: {r}");
+    ensure!(
+        r["reply"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("reply to [::1]:"),
+        "v6 not captured: {r}"
+    );
     // The proxy's own queries reach the real server.
     let r = query(&env, &pod, PROXY_UID, &real, false)?;
     ensure!(r["from"] == real, "{r}");
     ensure!(
-        r["reply"].as_str().unwrap_or("").starts_with(&format!("reply to {}:", pod.ipv4)),
+        r["reply"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with(&format!("reply to {}:", pod.ipv4)),
         "proxy query was captured: {r}"
     );
     // TCP to port 53 goes to the TCP listener, which sees the original server.
@@ -78,7 +108,10 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     loaded.enroll(&pod, &[])?;
     let r = query(&env, &pod, APP_UID, &real, false)?;
     ensure!(
-        r["reply"].as_str().unwrap_or("").starts_with(&format!("reply to {}:", pod.ipv4)),
+        r["reply"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with(&format!("reply to {}:", pod.ipv4)),
         "captured with DNS capture off: {r}"
     );
     Ok(())

@@ -58,7 +58,10 @@ fn outbound_capture_end_to_end() -> Result<()> {
     let loaded = Loaded::load(&env)?;
     // The loader exited and capture is in place: nothing of ours runs, yet the links are attached.
     let status = loaded.status()?;
-    ensure!(status["attachments"].as_array().map(Vec::len) == Some(CGROUP_PROGRAMS), "{status}");
+    ensure!(
+        status["attachments"].as_array().map(Vec::len) == Some(CGROUP_PROGRAMS),
+        "{status}"
+    );
     loaded.enroll(&client, &[])?;
 
     // Without a sidecar, a captured connect has nowhere to go: that proves capture.
@@ -75,49 +78,104 @@ fn outbound_capture_end_to_end() -> Result<()> {
     ensure!(counter(&loaded, &client, "orig_dst_hits")? >= 1);
 
     // The app sees the server as its peer, as under iptables REDIRECT.
-    let seen = probe_connect(&env, &client, APP_UID, SocketAddr::new(server.ipv4.into(), 80))?;
+    let seen = probe_connect(
+        &env,
+        &client,
+        APP_UID,
+        SocketAddr::new(server.ipv4.into(), 80),
+    )?;
     ensure!(seen["peer"] == format!("{}:80", server.ipv4), "{seen}");
-    ensure!(seen["status"].as_str().unwrap_or("").contains("200"), "{seen}");
+    ensure!(
+        seen["status"].as_str().unwrap_or("").contains("200"),
+        "{seen}"
+    );
 
     // An IPv4-mapped destination on an AF_INET6 socket is captured like IPv4.
     let mapped: SocketAddr = format!("[::ffff:{}]:80", server.ipv4).parse()?;
     let seen = probe_connect(&env, &client, APP_UID, mapped)?;
     ensure!(seen["peer"] == mapped.to_string(), "{seen}");
-    ensure!(seen["status"].as_str().unwrap_or("").contains("200"), "{seen}");
+    ensure!(
+        seen["status"].as_str().unwrap_or("").contains("200"),
+        "{seen}"
+    );
 
     // Nothing else is touched: a netns that is not enrolled ...
     ensure!(can_fetch(&env, &bystander, APP_UID, &server_v4));
     // ... processes outside the test cgroup ...
     sidecar.child().kill()?;
-    let out = client.run_outside_cgroup(&env, APP_UID, &["curl", "-sS", "--max-time", "5", &server_v4])?;
+    let out = client.run_outside_cgroup(
+        &env,
+        APP_UID,
+        &["curl", "-sS", "--max-time", "5", &server_v4],
+    )?;
     ensure!(out.status.success(), "outside the cgroup: {out:?}");
     // ... the proxy's own connections (it would loop otherwise) ...
-    ensure!(can_fetch(&env, &client, PROXY_UID, &server_v4), "proxy uid was captured");
-    ensure!(!can_fetch(&env, &client, APP_UID, &server_v4), "app not captured");
+    ensure!(
+        can_fetch(&env, &client, PROXY_UID, &server_v4),
+        "proxy uid was captured"
+    );
+    ensure!(
+        !can_fetch(&env, &client, APP_UID, &server_v4),
+        "app not captured"
+    );
     // ... and loopback (with no sidecar, a captured connect would fail).
     let _local = client.spawn(
         &env,
-        Spawn::new(&[probe(), "proxy", "127.0.0.1:9999", "-", "--no-forward"]).user(APP_UID, APP_UID),
+        Spawn::new(&[probe(), "proxy", "127.0.0.1:9999", "-", "--no-forward"])
+            .user(APP_UID, APP_UID),
     )?;
     std::thread::sleep(Duration::from_millis(200));
     let seen = probe_connect(&env, &client, APP_UID, "127.0.0.1:9999".parse()?)?;
-    ensure!(seen["peer"] == "127.0.0.1:9999", "loopback was captured: {seen}");
+    ensure!(
+        seen["peer"] == "127.0.0.1:9999",
+        "loopback was captured: {seen}"
+    );
 
     // Excluded ports and CIDRs, and destinations outside the include list.
     let server_8080 = url(server.ipv4.into(), 8080, "/");
     loaded.enroll(&client, &["--exclude-outbound-ports", "8080"])?;
-    ensure!(can_fetch(&env, &client, APP_UID, &server_8080), "excluded port captured");
-    ensure!(!can_fetch(&env, &client, APP_UID, &server_v4), "port 80 no longer captured");
-    loaded.enroll(&client, &["--exclude-outbound-ip-ranges", &format!("{}/32", server.ipv4)])?;
-    ensure!(can_fetch(&env, &client, APP_UID, &server_v4), "excluded CIDR captured");
+    ensure!(
+        can_fetch(&env, &client, APP_UID, &server_8080),
+        "excluded port captured"
+    );
+    ensure!(
+        !can_fetch(&env, &client, APP_UID, &server_v4),
+        "port 80 no longer captured"
+    );
+    loaded.enroll(
+        &client,
+        &[
+            "--exclude-outbound-ip-ranges",
+            &format!("{}/32", server.ipv4),
+        ],
+    )?;
+    ensure!(
+        can_fetch(&env, &client, APP_UID, &server_v4),
+        "excluded CIDR captured"
+    );
     loaded.enroll(&client, &["--include-outbound-ip-ranges", "192.0.2.0/24"])?;
-    ensure!(can_fetch(&env, &client, APP_UID, &server_v4), "destination outside includes captured");
-    loaded.enroll(&client, &["--include-outbound-ip-ranges", &format!("{}/24", server.ipv4)])?;
-    ensure!(!can_fetch(&env, &client, APP_UID, &server_v4), "included CIDR not captured");
+    ensure!(
+        can_fetch(&env, &client, APP_UID, &server_v4),
+        "destination outside includes captured"
+    );
+    loaded.enroll(
+        &client,
+        &[
+            "--include-outbound-ip-ranges",
+            &format!("{}/24", server.ipv4),
+        ],
+    )?;
+    ensure!(
+        !can_fetch(&env, &client, APP_UID, &server_v4),
+        "included CIDR not captured"
+    );
     ensure!(counter(&loaded, &client, "passed_outbound")? >= 3);
 
     loaded.unenroll(&client)?;
-    ensure!(can_fetch(&env, &client, APP_UID, &server_v4), "unenrolled pod still captured");
+    ensure!(
+        can_fetch(&env, &client, APP_UID, &server_v4),
+        "unenrolled pod still captured"
+    );
     Ok(())
 }
 
@@ -150,10 +208,16 @@ fn original_destination_v4_v6_and_errors() -> Result<()> {
     let v6_target = SocketAddr::new(server_v6.into(), 80);
     let seen = probe_connect(&env, &client, APP_UID, v6_target)?;
     ensure!(seen["peer"] == v6_target.to_string(), "{seen}");
-    ensure!(seen["status"].as_str().unwrap_or("").contains("200"), "v6 relay failed: {seen}");
+    ensure!(
+        seen["status"].as_str().unwrap_or("").contains("200"),
+        "v6 relay failed: {seen}"
+    );
     let v4_target = SocketAddr::new(server.ipv4.into(), 80);
     let seen = probe_connect(&env, &client, APP_UID, v4_target)?;
-    ensure!(seen["status"].as_str().unwrap_or("").contains("200"), "v4 relay failed: {seen}");
+    ensure!(
+        seen["status"].as_str().unwrap_or("").contains("200"),
+        "v4 relay failed: {seen}"
+    );
     // Loopback is not captured: the listener on 9999 gets a socket nobody redirected.
     probe_connect(&env, &client, APP_UID, "127.0.0.1:9999".parse()?)?;
 
@@ -161,20 +225,39 @@ fn original_destination_v4_v6_and_errors() -> Result<()> {
     let mut lines = Vec::new();
     for p in &proxies {
         let text = p.stdout();
-        let line = text.lines().next().with_context(|| format!("a proxy saw nothing: {text:?}"))?;
+        let line = text
+            .lines()
+            .next()
+            .with_context(|| format!("a proxy saw nothing: {text:?}"))?;
         lines.push(serde_json::from_str::<Value>(line)?);
     }
     // IPv6: SOL_IP fails as netfilter's IPv4 hook would (ENOENT), SOL_IPV6 answers.
     ensure!(lines[0]["orig_v4"]["errno"] == 2, "{}", lines[0]);
-    ensure!(lines[0]["orig_v6"]["addr"] == v6_target.to_string(), "{}", lines[0]);
+    ensure!(
+        lines[0]["orig_v6"]["addr"] == v6_target.to_string(),
+        "{}",
+        lines[0]
+    );
     ensure!(lines[0]["local"] == "[::1]:15001", "{}", lines[0]);
     // IPv4: SOL_IP answers; SOL_IPV6 on an IPv4 socket is the kernel's EOPNOTSUPP, as under
     // iptables (netfilter is never asked).
-    ensure!(lines[1]["orig_v4"]["addr"] == v4_target.to_string(), "{}", lines[1]);
-    ensure!(lines[1]["orig_v6"]["errno"] == libc_eopnotsupp(), "{}", lines[1]);
+    ensure!(
+        lines[1]["orig_v4"]["addr"] == v4_target.to_string(),
+        "{}",
+        lines[1]
+    );
+    ensure!(
+        lines[1]["orig_v6"]["errno"] == libc_eopnotsupp(),
+        "{}",
+        lines[1]
+    );
     // Not redirected: netfilter's ENOENT.
     ensure!(lines[2]["orig_v4"]["errno"] == 2, "{}", lines[2]);
-    ensure!(lines[2]["orig_v6"]["errno"] == libc_eopnotsupp(), "{}", lines[2]);
+    ensure!(
+        lines[2]["orig_v6"]["errno"] == libc_eopnotsupp(),
+        "{}",
+        lines[2]
+    );
     ensure!(counter(&loaded, &client, "orig_dst_misses")? >= 2);
     drop(proxies);
     Ok(())
@@ -192,18 +275,26 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
     let node = Node::new(&env, NodeOptions::ipv4_only())?;
     let pod = node.add_pod("pod")?;
     let netns = pod.netns_path.display().to_string();
-    let err = sidestep_tests::sidestep::sidestep(&["enroll", "--pin-root", &pin_root, "--netns", &netns])
-        .expect_err("enrolled without programs");
+    let err =
+        sidestep_tests::sidestep::sidestep(&["enroll", "--pin-root", &pin_root, "--netns", &netns])
+            .expect_err("enrolled without programs");
     ensure!(format!("{err:#}").contains("sidestep load"), "{err:#}");
 
     let loaded = Loaded::load(&env)?;
     // The host network namespace is never enrolled.
     for host in ["/proc/self/ns/net", "/proc/1/ns/net"] {
-        if let Err(err) =
-            sidestep_tests::sidestep::sidestep(&["enroll", "--pin-root", &pin_root, "--netns", host])
-        {
+        if let Err(err) = sidestep_tests::sidestep::sidestep(&[
+            "enroll",
+            "--pin-root",
+            &pin_root,
+            "--netns",
+            host,
+        ]) {
             let msg = format!("{err:#}");
-            ensure!(msg.contains("host network namespace") || msg.contains("denied"), "{msg}");
+            ensure!(
+                msg.contains("host network namespace") || msg.contains("denied"),
+                "{msg}"
+            );
         } else {
             anyhow::bail!("enrolled the host netns via {host}");
         }
@@ -226,7 +317,11 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
         .args(["cgroup", "show", &cgroup])
         .output()?;
     let shown = String::from_utf8_lossy(&shown.stdout);
-    for name in ["sidestep_connect4", "sidestep_sockops", "sidestep_getsockopt"] {
+    for name in [
+        "sidestep_connect4",
+        "sidestep_sockops",
+        "sidestep_getsockopt",
+    ] {
         ensure!(shown.contains(name), "{name} not attached: {shown}");
     }
     // Loading again over the pins is an upgrade in place, not a second set of links.
@@ -239,7 +334,10 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
     ])?;
     ensure!(String::from_utf8_lossy(&again.stdout).contains("upgraded"));
     let status = loaded.status()?;
-    ensure!(status["attachments"].as_array().map(Vec::len) == Some(CGROUP_PROGRAMS), "{status}");
+    ensure!(
+        status["attachments"].as_array().map(Vec::len) == Some(CGROUP_PROGRAMS),
+        "{status}"
+    );
 
     loaded.unload()?;
     ensure!(!env.pin_root().exists(), "pin root left behind");
@@ -254,14 +352,18 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
     // Program and map objects are freed asynchronously (RCU); give the kernel a moment.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let progs = std::process::Command::new("bpftool").args(["prog", "show"]).output()?;
+        let progs = std::process::Command::new("bpftool")
+            .args(["prog", "show"])
+            .output()?;
         let progs = String::from_utf8_lossy(&progs.stdout).to_string();
         let left: Vec<u64> = prog_ids
             .iter()
             .copied()
             .filter(|id| progs.lines().any(|l| l.starts_with(&format!("{id}:"))))
             .collect();
-        let maps = std::process::Command::new("bpftool").args(["map", "show"]).output()?;
+        let maps = std::process::Command::new("bpftool")
+            .args(["map", "show"])
+            .output()?;
         let maps = String::from_utf8_lossy(&maps.stdout).to_string();
         let left_maps: Vec<u64> = map_ids
             .iter()
@@ -286,10 +388,20 @@ fn map_ids(pin_root: &std::path::Path) -> Result<Vec<u64>> {
     for entry in std::fs::read_dir(pin_root.join("maps"))? {
         let path = entry?.path();
         let out = std::process::Command::new("bpftool")
-            .args(["map", "show", "pinned", &path.display().to_string(), "--json"])
+            .args([
+                "map",
+                "show",
+                "pinned",
+                &path.display().to_string(),
+                "--json",
+            ])
             .output()?;
         let v: Value = serde_json::from_slice(&out.stdout)?;
-        ids.push(v["id"].as_u64().with_context(|| format!("no id for {}", path.display()))?);
+        ids.push(
+            v["id"]
+                .as_u64()
+                .with_context(|| format!("no id for {}", path.display()))?,
+        );
     }
     Ok(ids)
 }

@@ -583,7 +583,12 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
             accepted: format!("S:{port}"),
             local: dst.clone(),
             orig_v4: "ENOENT".into(),
-            orig_v6: if sc.fam == Fam::V6 { "ENOENT" } else { "EOPNOTSUPP" }.into(),
+            orig_v6: if sc.fam == Fam::V6 {
+                "ENOENT"
+            } else {
+                "EOPNOTSUPP"
+            }
+            .into(),
             app_peer: dst.clone(),
         },
     }
