@@ -20,6 +20,7 @@
 //!
 //! Everything needs root; tests call [`skip_unless_root`] first.
 
+pub mod bench;
 pub mod cgroup;
 pub mod cni;
 pub mod env;
