@@ -43,10 +43,19 @@ pub enum Mode {
     Iptables,
     /// Both pods enrolled in sidestep, both sidecars.
     Sidestep,
+    /// As sidestep, with sk_msg: app <-> sidecar bytes go socket to socket.
+    SkMsg,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::Direct, Mode::Explicit, Mode::Iptables, Mode::Sidestep];
+    pub const COUNT: usize = 5;
+    pub const ALL: [Mode; Mode::COUNT] = [
+        Mode::Direct,
+        Mode::Explicit,
+        Mode::Iptables,
+        Mode::Sidestep,
+        Mode::SkMsg,
+    ];
 
     pub fn index(self) -> usize {
         match self {
@@ -54,6 +63,7 @@ impl Mode {
             Mode::Explicit => 1,
             Mode::Iptables => 2,
             Mode::Sidestep => 3,
+            Mode::SkMsg => 4,
         }
     }
 
@@ -63,6 +73,7 @@ impl Mode {
             Mode::Explicit => "explicit proxy",
             Mode::Iptables => "iptables",
             Mode::Sidestep => "sidestep",
+            Mode::SkMsg => "sidestep + sk_msg",
         }
     }
 
@@ -73,6 +84,7 @@ impl Mode {
             Mode::Explicit => "explicit",
             Mode::Iptables => "iptables",
             Mode::Sidestep => "sidestep",
+            Mode::SkMsg => "skmsg",
         }
     }
 }
@@ -202,7 +214,7 @@ pub struct Metric {
     pub label: &'static str,
     pub unit: &'static str,
     pub higher_is_better: bool,
-    pub values: [Vec<f64>; 4],
+    pub values: [Vec<f64>; Mode::COUNT],
 }
 
 impl Metric {
@@ -372,7 +384,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
 
     let mut metrics = new_metrics();
     let mut notes = Vec::new();
-    let mut health: [ConnHealth; 4] = Default::default();
+    let mut health: [ConnHealth; Mode::COUNT] = Default::default();
     let mut tw_control = TwControl::default();
 
     // Warm-up (unrecorded), then the capture sanity checks: each lane's traffic really went

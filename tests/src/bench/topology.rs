@@ -111,7 +111,11 @@ impl<'e> Topology<'e> {
         let loaded = Loaded::load(ss_env)?;
         let mut lanes = Vec::new();
         for mode in Mode::ALL {
-            let lane_env = if mode == Mode::Sidestep { ss_env } else { env };
+            let lane_env = if matches!(mode, Mode::Sidestep | Mode::SkMsg) {
+                ss_env
+            } else {
+                env
+            };
             let lane = Self::make_lane(&node, &loaded, lane_env, mode, mode.slug(), None)
                 .with_context(|| format!("setting up the {} lane", mode.label()))?;
             lanes.push(lane);
@@ -161,6 +165,10 @@ impl<'e> Topology<'e> {
             Mode::Sidestep => {
                 loaded.enroll(&client, &[])?;
                 loaded.enroll(&server, &[])?;
+            }
+            Mode::SkMsg => {
+                loaded.enroll(&client, &["--sk-msg"])?;
+                loaded.enroll(&server, &["--sk-msg"])?;
             }
             Mode::Direct | Mode::Explicit => {}
         }
@@ -257,6 +265,16 @@ impl<'e> Topology<'e> {
         ensure!(
             out > 0 && inb > 0,
             "sidestep lane: {out} outbound and {inb} inbound redirects"
+        );
+        let sk = self.lane(Mode::SkMsg);
+        let c = self
+            .loaded
+            .counters(sk.client.netns_cookie()?)?
+            .context("sk_msg client pod not enrolled")?;
+        let redirected = c["sk_msg_redirects"].as_u64().unwrap_or(0);
+        ensure!(
+            redirected > 0,
+            "sk_msg lane: no message went socket to socket"
         );
         eprintln!(
             "bench: capture checked (iptables and sidestep lanes redirected both ways after the warm-up)"
