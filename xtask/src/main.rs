@@ -3,6 +3,7 @@
 
 mod build;
 mod cmd;
+mod fuzz;
 mod linker;
 mod packages;
 mod paths;
@@ -57,6 +58,14 @@ enum Task {
         #[arg(long)]
         quick: bool,
     },
+    /// Build the fuzz targets (nightly) and run each in turn for a bounded time, at nice 19.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Run only this target (a file name in fuzz/fuzz_targets/, without .rs).
+        target: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -86,6 +95,7 @@ fn run(task: Task) -> Result<ExitCode> {
         Task::Test { lint, cargo_args } => return tasks::test(lint, &cargo_args),
         Task::Demo => return tasks::demo(),
         Task::Bench { quick } => return tasks::bench(quick),
+        Task::Fuzz { seconds, target } => return fuzz::run(seconds, target.as_deref()),
     }
     Ok(ExitCode::SUCCESS)
 }
