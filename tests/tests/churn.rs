@@ -540,7 +540,11 @@ fn add_del_cycles_and_concurrent_adds_end_where_they_started() -> Result<()> {
         during.maps["SIDESTEP_POD"] == start.maps["SIDESTEP_POD"] + CONCURRENT,
         "{during:?}"
     );
-    ensure!(during.links == start.links + CONCURRENT, "{during:?}");
+    // Each pod pins a tc link under links/tc/<cookie>/ (two tree entries). bpftool's link list
+    // is only checked for having grown: while 64 ADDs settle, its count of tcx and netns links on
+    // our programs varied between runs; the end state below is compared exactly.
+    ensure!(during.tc_pins == start.tc_pins + 2 * CONCURRENT, "{during:?}");
+    ensure!(during.links > start.links, "{during:?}");
     ensure!(during.records == start.records + CONCURRENT, "{during:?}");
     let (del_time, errs) = run_all(&mut atts, false);
     ensure!(
