@@ -67,6 +67,11 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     if SIDESTEP_IFACES.get_ptr(iface).is_none() {
         return SK_PASS;
     }
+    // The pod calling its own address arrives over lo (ingress_ifindex is not always lo's
+    // there): Istio's PREROUTING never sees it, so it is never captured inbound.
+    if policy::is_pod_address(netns_cookie, &remote) {
+        return SK_PASS;
+    }
     let Some(pod) = policy::pod_policy(netns_cookie) else {
         return SK_PASS;
     };
