@@ -21,3 +21,4 @@ pub mod pod;
 pub mod podsource;
 pub mod spec;
 pub mod state;
+pub mod timing;

@@ -78,6 +78,7 @@ impl Deps for Node {
 }
 
 pub fn run(get_env: &dyn Fn(&str) -> Option<String>, stdin: &[u8], deps: &dyn Deps) -> Outcome {
+    let started = std::time::Instant::now();
     let env = match CniEnv::from_lookup(get_env) {
         Ok(e) => e,
         Err(e) => return Outcome::error(&e, peek_version(stdin)),
@@ -109,6 +110,8 @@ pub fn run(get_env: &dyn Fn(&str) -> Option<String>, stdin: &[u8], deps: &dyn De
         Command::Status => status(dp.as_ref()).map(|()| None),
         Command::Version => unreachable!("answered before the config is parsed"),
     };
+    // For the agent's /metrics; never fails the call.
+    crate::timing::record(&cfg.state_dir, env.command, result.is_ok(), started.elapsed());
     match result {
         Ok(out) => Outcome::ok(out),
         Err(e) => Outcome::error(&e, Some(cfg.cni_version)),
