@@ -111,7 +111,12 @@ pub fn run(get_env: &dyn Fn(&str) -> Option<String>, stdin: &[u8], deps: &dyn De
         Command::Version => unreachable!("answered before the config is parsed"),
     };
     // For the agent's /metrics; never fails the call.
-    crate::timing::record(&cfg.state_dir, env.command, result.is_ok(), started.elapsed());
+    crate::timing::record(
+        &cfg.state_dir,
+        env.command,
+        result.is_ok(),
+        started.elapsed(),
+    );
     match result {
         Ok(out) => Outcome::ok(out),
         Err(e) => Outcome::error(&e, Some(cfg.cni_version)),

@@ -20,11 +20,7 @@
 //! this format.
 
 use std::{
-    fs::OpenOptions,
-    io::Write as _,
-    os::unix::fs::OpenOptionsExt as _,
-    path::Path,
-    time::Duration,
+    fs::OpenOptions, io::Write as _, os::unix::fs::OpenOptionsExt as _, path::Path, time::Duration,
 };
 
 use crate::spec::Command;
