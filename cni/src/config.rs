@@ -5,6 +5,7 @@
 
 use std::{
     collections::BTreeMap,
+    os::unix::ffi::OsStrExt,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -187,8 +188,18 @@ fn take<T: for<'de> Deserialize<'de>>(
     }
 }
 
+/// A path the kernel can take: a NUL byte ends it early at every system call, so an ADD with
+/// one would be told "not loaded, try again later" forever instead of "invalid config".
+fn no_nul(name: &str, p: &Path) -> Result<(), ConfigError> {
+    if p.as_os_str().as_bytes().contains(&0) {
+        return Err(field(name, format!("{p:?} contains a NUL byte")));
+    }
+    Ok(())
+}
+
 fn absolute(name: &str, p: Option<PathBuf>, default: &str) -> Result<PathBuf, ConfigError> {
     let p = p.unwrap_or_else(|| PathBuf::from(default));
+    no_nul(name, &p)?;
     if !p.is_absolute() {
         return Err(field(
             name,
@@ -269,6 +280,9 @@ impl PluginConfig {
                 .request_timeout_ms
                 .map_or(defaults.request_timeout, Duration::from_millis),
         };
+        if let Some(kc) = &kubernetes.kubeconfig {
+            no_nul("kubernetes.kubeconfig", kc)?;
+        }
         if kubernetes.pod_read_retries == 0 {
             return Err(field("kubernetes.pod_read_retries", "must be at least 1"));
         }

@@ -5,6 +5,8 @@
 // A test target's modules resolve beside it, not in a directory of its name.
 #[path = "cni_plugin/corpus.rs"]
 mod corpus;
+#[path = "cni_plugin/hostile.rs"]
+mod hostile;
 #[path = "cni_plugin/sandbox.rs"]
 mod sandbox;
 

@@ -144,12 +144,28 @@ pub fn parse_cidr_set(field: &str, text: &str) -> Result<CidrSet, PolicyError> {
         .map(CidrSet::Only)
 }
 
+/// The first dotted-quad octet written with a leading zero (`010`), if any. ipnet accepts such
+/// octets as decimal, while inet_aton (iptables, Istio's Go tooling before 1.17) reads them as
+/// octal, so `010.0.0.0/8` would mean 10/8 here and 8/8 there: refuse it instead of guessing.
+fn leading_zero_octet(addr: &str) -> Option<&str> {
+    // Only the IPv4 part: a plain address, or the tail of an IPv4-embedded IPv6 one.
+    let v4 = addr.rsplit(':').next().filter(|s| s.contains('.'))?;
+    v4.split('.')
+        .find(|o| o.len() > 1 && o.starts_with('0') && o.bytes().all(|b| b.is_ascii_digit()))
+}
+
 pub fn parse_cidr(field: &str, text: &str) -> Result<IpNet, PolicyError> {
     let err = |reason: String| PolicyError::Cidr {
         field: field.into(),
         value: text.into(),
         reason,
     };
+    let addr = text.split_once('/').map_or(text, |(a, _)| a);
+    if let Some(octet) = leading_zero_octet(addr) {
+        return Err(err(format!(
+            "octet {octet:?} has a leading zero, which other parsers read as octal"
+        )));
+    }
     if text.contains('/') {
         let net = IpNet::from_str(text).map_err(|e| err(e.to_string()))?;
         Ok(net.trunc())

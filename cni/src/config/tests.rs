@@ -156,6 +156,9 @@ fn missing_and_invalid_fields() {
     for (k, val) in [
         ("pin_root", json!("relative/path")),
         ("pin_root", json!(7)),
+        ("pin_root", json!("/sys/fs/bpf/a\u{0}b")),
+        ("state_dir", json!("/run/\u{0}")),
+        ("kubernetes", json!({"kubeconfig": "/etc/k\u{0}"})),
         ("state_dir", json!("run/x")),
         ("log_file", json!("x.log")),
         ("mesh", json!("consul")),

@@ -4,10 +4,10 @@
 use sidestep::policy::Policy;
 
 use super::{
-    AnnotationError, Decision, SkipReason, apply_port_excludes, bad, cidr_set, enrol, id, port_set,
-    single_port, union, value,
+    AnnotationError, Decision, SkipReason, api_sidecar_rules, apply_port_excludes, bad, cidr_set,
+    enrol, port_set, proxy_uid_override, single_port, union, value,
 };
-use crate::pod::{PodInfo, PodSource};
+use crate::pod::PodInfo;
 
 pub const PROXY: &str = "kuma-sidecar";
 pub const INIT: &str = "kuma-init";
@@ -41,20 +41,8 @@ fn enabled(key: &str, text: &str) -> Result<bool, AnnotationError> {
 }
 
 pub fn decide(pod: &PodInfo) -> Result<Decision, AnnotationError> {
-    if pod.source == PodSource::Api {
-        if pod.has_init_container(INIT) {
-            return Ok(Decision::Skip(SkipReason::InitContainer(INIT)));
-        }
-        if pod.container(PROXY).is_none() {
-            return Ok(Decision::Skip(SkipReason::NoProxyContainer {
-                want: PROXY,
-                have: pod
-                    .container_names()
-                    .into_iter()
-                    .map(str::to_owned)
-                    .collect(),
-            }));
-        }
+    if let Some(skip) = api_sidecar_rules(pod, INIT, PROXY) {
+        return Ok(Decision::Skip(skip));
     }
     if pod.annotation(SIDECAR_INJECTED) != Some("true") {
         return Ok(Decision::Skip(SkipReason::NotInjected(SIDECAR_INJECTED)));
@@ -68,11 +56,7 @@ pub fn policy(pod: &PodInfo) -> Result<Policy, AnnotationError> {
         proxy_gid: PROXY_UID,
         ..Policy::default()
     };
-    if let Some(v) = pod.annotation(SIDECAR_UID) {
-        p.proxy_uid = id(SIDECAR_UID, v)?;
-        // Kuma matches the proxy by UID alone; the same value keeps the GID rule inert.
-        p.proxy_gid = p.proxy_uid;
-    }
+    proxy_uid_override(&mut p, pod, SIDECAR_UID)?;
     p.inbound_port = single_port(INBOUND_PORT, value(pod, INBOUND_PORT, "15006"))?;
     p.outbound_port = single_port(OUTBOUND_PORT, value(pod, OUTBOUND_PORT, "15001"))?;
     let family = value(pod, IP_FAMILY_MODE, "dualstack");

@@ -5,7 +5,10 @@ use std::collections::BTreeSet;
 
 use sidestep::policy::{CidrSet, Policy, PortSet};
 
-use super::{AnnotationError, Decision, SkipReason, bad, cidr_set, enrol, id, single_port, union};
+use super::{
+    AnnotationError, Decision, SkipReason, api_sidecar_rules, bad, cidr_set, enrol,
+    proxy_uid_override, single_port, union,
+};
 use crate::pod::{PodInfo, PodSource};
 
 pub const PROXY: &str = "linkerd-proxy";
@@ -57,18 +60,8 @@ pub fn port_ranges(key: &str, text: &str) -> Result<BTreeSet<u16>, AnnotationErr
 pub fn decide(pod: &PodInfo) -> Result<Decision, AnnotationError> {
     match pod.source {
         PodSource::Api => {
-            if pod.has_init_container(INIT) {
-                return Ok(Decision::Skip(SkipReason::InitContainer(INIT)));
-            }
-            if pod.container(PROXY).is_none() {
-                return Ok(Decision::Skip(SkipReason::NoProxyContainer {
-                    want: PROXY,
-                    have: pod
-                        .container_names()
-                        .into_iter()
-                        .map(str::to_owned)
-                        .collect(),
-                }));
+            if let Some(skip) = api_sidecar_rules(pod, INIT, PROXY) {
+                return Ok(Decision::Skip(skip));
             }
         }
         PodSource::RuntimeAnnotations => {
@@ -99,10 +92,7 @@ pub fn policy(pod: &PodInfo) -> Result<Policy, AnnotationError> {
         dns_capture: false,
         ..Policy::default()
     };
-    if let Some(v) = pod.annotation(PROXY_UID_ANNOTATION) {
-        p.proxy_uid = id(PROXY_UID_ANNOTATION, v)?;
-        p.proxy_gid = p.proxy_uid;
-    }
+    proxy_uid_override(&mut p, pod, PROXY_UID_ANNOTATION)?;
     let inbound = match pod.annotation(SKIP_INBOUND_PORTS) {
         Some(v) => port_ranges(SKIP_INBOUND_PORTS, v)?,
         None => BTreeSet::new(),

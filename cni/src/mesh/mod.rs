@@ -15,7 +15,7 @@ use sidestep::{
 
 use crate::{
     config::{Mesh, PluginConfig},
-    pod::PodInfo,
+    pod::{PodInfo, PodSource},
     spec::{CniError, code, env::CniArgs, env::valid_ifname, error::ToCniError},
 };
 
@@ -169,6 +169,39 @@ pub(crate) fn interfaces(key: &str, text: &str) -> Result<Vec<String>, Annotatio
                 .map_err(|e| bad(key, text, e))
         })
         .collect()
+}
+
+/// linkerd-cni's and kuma-cni's rule for a pod read from the API: one with the mesh's init
+/// container captures itself, and one without the proxy container is not in the mesh. (With
+/// runtime annotations only, there are no containers to look at.)
+fn api_sidecar_rules(pod: &PodInfo, init: &'static str, proxy: &'static str) -> Option<SkipReason> {
+    if pod.source != PodSource::Api {
+        return None;
+    }
+    if pod.has_init_container(init) {
+        return Some(SkipReason::InitContainer(init));
+    }
+    if pod.container(proxy).is_none() {
+        return Some(SkipReason::NoProxyContainer {
+            want: proxy,
+            have: pod
+                .container_names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+        });
+    }
+    None
+}
+
+/// A proxy UID annotation (Linkerd's and Kuma's). Both meshes match the proxy by UID alone, so
+/// the GID takes the same value, which keeps the GID rule inert.
+fn proxy_uid_override(p: &mut Policy, pod: &PodInfo, key: &str) -> Result<(), AnnotationError> {
+    if let Some(v) = pod.annotation(key) {
+        p.proxy_uid = id(key, v)?;
+        p.proxy_gid = p.proxy_uid;
+    }
+    Ok(())
 }
 
 /// Go's strconv.ParseBool, which Istio uses for its boolean annotations and env.

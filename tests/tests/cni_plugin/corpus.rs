@@ -4,9 +4,10 @@
 use anyhow::{Result, bail, ensure};
 use serde_json::{Value, json};
 
+use super::hostile;
 use super::sandbox::{STATUS, Sandbox, call, cmd_env, cni, expect_err, expect_ok};
 
-fn with(mut v: Value, path: &[&str], val: Value) -> Value {
+pub fn with(mut v: Value, path: &[&str], val: Value) -> Value {
     let mut cur = &mut v;
     for k in &path[..path.len() - 1] {
         cur = &mut cur[*k];
@@ -19,7 +20,7 @@ fn with(mut v: Value, path: &[&str], val: Value) -> Value {
     v
 }
 
-fn annotated(conf: &Value, extra: Value) -> Value {
+pub fn annotated(conf: &Value, extra: Value) -> Value {
     let mut a = json!({"sidecar.istio.io/status": STATUS});
     for (k, v) in extra.as_object().unwrap() {
         a[k] = v.clone();
@@ -29,6 +30,37 @@ fn annotated(conf: &Value, extra: Value) -> Value {
         &["runtimeConfig", "io.kubernetes.cri.pod-annotations"],
         a,
     )
+}
+
+/// One case: its name, the CNI_* environment, stdin and the error code it must give.
+pub type Env = Vec<(&'static str, String)>;
+pub type Case = (&'static str, Env, Vec<u8>, u64);
+
+pub fn b(v: &Value) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap()
+}
+
+/// `command` for the attachment `cid`@eth0 in `ns`, with the pod's Kubernetes identity.
+pub fn env_for(command: &str, cid: &str, ns: &str) -> Env {
+    cmd_env(command, cid, ns)
+        .into_iter()
+        .map(|(k, v)| (k, v.to_owned()))
+        .collect()
+}
+
+/// ADD of the attachment "bad" in `ns`.
+pub fn add(ns: &str) -> Env {
+    env_for("ADD", "bad", ns)
+}
+
+/// `cmd` of "bad" in `ns`, with `k` set to `v` (removed when `v` is empty).
+pub fn env_with(cmd: &str, ns: &str, k: &'static str, v: &str) -> Env {
+    let mut e = env_for(cmd, "bad", ns);
+    e.retain(|(key, _)| *key != k);
+    if !v.is_empty() {
+        e.push((k, v.to_owned()));
+    }
+    e
 }
 
 pub fn corpus() -> Result<()> {
@@ -44,29 +76,9 @@ pub fn corpus() -> Result<()> {
 
     let f = fresh.to_string_lossy().into_owned();
     let g = good.to_string_lossy().into_owned();
-    let b = |v: &Value| serde_json::to_vec(v).unwrap();
     let set = |path: &[&str], val: Value| b(&with(conf.clone(), path, val));
     let ips = |val: Value| set(&["prevResult", "ips"], val);
     let ann = |extra: Value| b(&annotated(&conf, extra));
-    type Case = (&'static str, Vec<(&'static str, String)>, Vec<u8>, u64);
-    let add = |ns: &str| -> Vec<(&'static str, String)> {
-        cmd_env("ADD", "bad", ns)
-            .into_iter()
-            .map(|(k, v)| (k, v.to_owned()))
-            .collect()
-    };
-    let env_with = |cmd: &str, ns: &str, k: &'static str, v: &str| {
-        let mut e: Vec<(&'static str, String)> = cmd_env("ADD", "bad", ns)
-            .into_iter()
-            .map(|(k, v)| (k, v.to_owned()))
-            .collect();
-        e[0].1 = cmd.to_owned();
-        e.retain(|(key, _)| *key != k);
-        if !v.is_empty() {
-            e.push((k, v.to_owned()));
-        }
-        e
-    };
     let mut cases: Vec<Case> = vec![
         // Broken JSON.
         ("empty stdin", add(&f), b"".to_vec(), 6),
@@ -409,7 +421,13 @@ pub fn corpus() -> Result<()> {
         101,
     ));
     cases.push(("broken JSON on enrolled netns", add(&g), b"{".to_vec(), 6));
-    ensure!(cases.len() >= 40, "only {} cases", cases.len());
+    cases.extend(hostile::cases(&sb, &conf, &f, &g));
+    ensure!(cases.len() >= 80, "only {} cases", cases.len());
+    let mut names: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        bail!("case {:?} is listed twice", w[0]);
+    }
 
     let mut failures = Vec::new();
     for (name, env, stdin, code) in &cases {

@@ -225,13 +225,16 @@ impl Sandbox {
         out
     }
 
-    /// Every file under the state directory with its contents.
+    /// Every record under the state directory with its contents. The invocation log
+    /// (`timings`, which every call appends to for the agent's metrics) is not state.
     pub fn state_files(&self) -> BTreeMap<String, String> {
         fn walk(dir: &Path, base: &Path, out: &mut BTreeMap<String, String>) {
             for e in fs::read_dir(dir).into_iter().flatten().flatten() {
                 let p = e.path();
                 if p.is_dir() {
                     walk(&p, base, out);
+                } else if dir == base && e.file_name().to_string_lossy().starts_with("timings") {
+                    continue;
                 } else {
                     let rel = p.strip_prefix(base).unwrap().display().to_string();
                     out.insert(rel, fs::read_to_string(&p).unwrap_or_default());

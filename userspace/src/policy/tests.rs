@@ -74,6 +74,34 @@ fn bad_values_name_the_field() {
 }
 
 #[test]
+fn leading_zero_octets_are_refused_with_the_value() {
+    for bad in [
+        "010.0.0.0/8",
+        "10.00.0.0/16",
+        "10.0.0.01",
+        "::ffff:010.0.0.1/128",
+    ] {
+        let e = parse_cidr_set("excludeOutboundIPRanges", &format!("192.168.0.0/16,{bad}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(bad) && e.contains("leading zero") && e.contains("excludeOutboundIPRanges"),
+            "{bad}: {e}"
+        );
+    }
+    // Zero itself and zeros inside an octet are ordinary decimal.
+    for good in [
+        "0.0.0.0/0",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "10.20.0.100",
+        "fd00::10/64",
+    ] {
+        parse_cidr("f", good).unwrap_or_else(|e| panic!("{good}: {e}"));
+    }
+}
+
+#[test]
 fn json_accepts_strings_and_arrays() {
     let p: Policy = serde_json::from_str(
         r#"{"proxyUid":2102,"includeOutboundIPRanges":["10.0.0.0/8","fd00::/8"],
