@@ -1,19 +1,26 @@
-//! `cargo xtask demo`: a local node with pods. sidestep is loaded into the demo's own cgroup and
-//! pin root; two meshed clients and a meshed server are made by the real CNI chain (bridge +
-//! host-local, portmap, then sidestep-cni, run as libcni runs them), so they are enrolled at CNI
-//! ADD from their pod annotations, as a kubelet would have them. Each gets an unmodified HAProxy
-//! sidecar; traffic is sent; every claim is checked; CNI DEL and the teardown are checked too.
-//! The exit code is non-zero when any check fails.
+//! `cargo xtask demo`: a local node with pods, run by the node agent as a cluster would run it.
+//!
+//! `sidestep agent` starts on the demo's own cgroup and pin root (never the cgroup2 root), loads
+//! the programs, installs the plugin into the demo's CNI bin directory and chains its entry into
+//! the demo's primary conflist (bridge + host-local, portmap), as it does on a node. Two meshed
+//! clients and a meshed server are then made by that CNI chain, as libcni runs it, so they are
+//! enrolled at CNI ADD from their pod annotations. Each gets an unmodified HAProxy sidecar;
+//! traffic is sent; every claim is checked, the agent's /metrics included; CNI DEL,
+//! `sidestep uninstall` and the teardown are checked too, and everything is removed also when a
+//! step fails. The exit code is non-zero when any check fails.
 
+use std::collections::BTreeMap;
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use serde_json::json;
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
 use sidestep_tests::{
-    Node, NodeOptions, Pod, PodOptions, TestEnv, haproxy, link_exists, nginx,
-    sidestep::{Loaded, sidestep},
+    ChildGuard, Node, NodeOptions, Pod, PodOptions, Spawn, TestEnv, haproxy, link_exists, nginx,
+    sidestep::{bin_dir, sidestep},
     skip_unless_root, url,
 };
 
@@ -22,12 +29,25 @@ const REQUESTS: usize = 50;
 /// What istio-sidecar-injector writes on a pod it injected; sidestep-cni enrols on it.
 const ISTIO_STATUS: &str =
     r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
+/// The primary network's file, as the node's CNI (here bridge + host-local) would write it.
+const PRIMARY: &str = "10-demo.conflist";
 
 struct Line {
     what: String,
     ok: usize,
     total: usize,
     note: String,
+}
+
+impl Line {
+    fn new(what: impl Into<String>, ok: usize, total: usize, note: impl Into<String>) -> Self {
+        Self {
+            what: what.into(),
+            ok,
+            total,
+            note: note.into(),
+        }
+    }
 }
 
 /// What the demo made on the host, to check after everything is dropped.
@@ -37,6 +57,143 @@ struct Made {
     cgroup: PathBuf,
     bridge: String,
     tmp: PathBuf,
+}
+
+/// The host directories the agent manages, in the demo's scratch space.
+struct Dirs {
+    bin: PathBuf,
+    conf: PathBuf,
+    state: PathBuf,
+}
+
+impl Dirs {
+    fn agent_args(&self, env: &TestEnv) -> Vec<String> {
+        let s = |p: &Path| p.display().to_string();
+        [
+            ("cni-bin-dir", s(&self.bin)),
+            ("cni-conf-dir", s(&self.conf)),
+            ("state-dir", s(&self.state)),
+            // No service account: outside a cluster the plugin reads pods from runtimeConfig.
+            (
+                "service-account-dir",
+                s(&env.tmp_dir().join("no-serviceaccount")),
+            ),
+            ("pin-root", s(env.pin_root())),
+            ("cgroup", s(env.cgroup_path())),
+            ("cni-binary", s(&bin_dir().join("sidestep-cni"))),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [format!("--{k}"), v])
+        .collect()
+    }
+}
+
+/// `sidestep agent`, stopped (SIGTERM, then SIGKILL) when dropped.
+struct AgentProc {
+    child: ChildGuard,
+    addr: SocketAddr,
+}
+
+impl AgentProc {
+    fn start(env: &TestEnv, d: &Dirs) -> Result<Self> {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let bin = bin_dir().join("sidestep").display().to_string();
+        let mut args = vec![bin, "agent".into()];
+        args.extend(d.agent_args(env));
+        args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            // Only the demo's pods are the agent's business.
+            "--netns-prefix".into(),
+            format!("sidestep-{}-", env.id()),
+            "--scan-proc".into(),
+            "false".into(),
+            "--reconcile-interval".into(),
+            "2s".into(),
+        ]);
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let child = env.spawn(Spawn::new(&argv))?;
+        Ok(Self {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        })
+    }
+
+    fn get(&self, path: &str) -> Result<(u16, String)> {
+        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .with_context(|| format!("bad HTTP response: {out}"))?;
+        Ok((
+            code,
+            out.split_once("\r\n\r\n").map_or("", |(_, b)| b).into(),
+        ))
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.child.ensure_running()?;
+            let last = match self.get("/readyz") {
+                Ok((200, body)) => return Ok(body),
+                Ok((_, body)) => body,
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "agent not ready after {timeout:?}: {last}\n{}",
+                    self.child.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every sample, keyed by `name{labels}`.
+    fn samples(&self) -> Result<BTreeMap<String, f64>> {
+        let (_, body) = self.get("/metrics")?;
+        Ok(body
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                Some((k.to_owned(), v.parse().ok()?))
+            })
+            .collect())
+    }
+}
+
+/// `sidestep uninstall` with the agent's settings, once: at the end of the demo, or when
+/// dropped on the way out of a failed step.
+struct Uninstall {
+    args: Vec<String>,
+    done: bool,
+}
+
+impl Uninstall {
+    fn run(&mut self) -> Result<String> {
+        self.done = true;
+        let mut argv = vec!["uninstall"];
+        argv.extend(self.args.iter().map(String::as_str));
+        let out = sidestep(&argv)?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+impl Drop for Uninstall {
+    fn drop(&mut self) {
+        if !self.done
+            && let Err(e) = self.run()
+        {
+            eprintln!("sidestep uninstall: {e:#}");
+        }
+    }
 }
 
 fn requests(env: &TestEnv, pod: &Pod, target: &str, expect: &str) -> Result<usize> {
@@ -58,15 +215,29 @@ fn requests(env: &TestEnv, pod: &Pod, target: &str, expect: &str) -> Result<usiz
     Ok(String::from_utf8_lossy(&out.stdout).matches(expect).count())
 }
 
-fn counter(loaded: &Loaded, pod: &Pod, name: &str) -> Result<u64> {
-    loaded
-        .counters(pod.netns_cookie()?)?
-        .and_then(|c| c[name].as_u64())
+fn status(pin_root: &Path) -> Result<Value> {
+    let out = sidestep(&[
+        "status",
+        "--json",
+        "--pin-root",
+        &pin_root.display().to_string(),
+    ])?;
+    serde_json::from_slice(&out.stdout).context("parsing sidestep status --json")
+}
+
+fn counter(pin_root: &Path, pod: &Pod, name: &str) -> Result<u64> {
+    let cookie = pod.netns_cookie()?;
+    status(pin_root)?["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["netns_cookie"].as_u64() == Some(cookie))
+        .and_then(|p| p["counters"][name].as_u64())
         .with_context(|| format!("no counter {name} for {}", pod.name))
 }
 
-fn enrolled(loaded: &Loaded) -> Result<Vec<u64>> {
-    Ok(loaded.status()?["pods"]
+fn enrolled(pin_root: &Path) -> Result<Vec<u64>> {
+    Ok(status(pin_root)?["pods"]
         .as_array()
         .into_iter()
         .flatten()
@@ -74,32 +245,88 @@ fn enrolled(loaded: &Loaded) -> Result<Vec<u64>> {
         .collect())
 }
 
+fn sidestep_entries(conf: &Path) -> Result<Vec<Value>> {
+    let v: Value = serde_json::from_slice(&std::fs::read(conf)?)?;
+    Ok(v["plugins"].as_array().cloned().unwrap_or_default())
+}
+
+/// The agent's own start: ready, plugin installed, entry chained once after the primary's.
+fn check_agent(d: &Dirs, agent: &mut AgentProc, lines: &mut Vec<Line>) -> Result<Vec<Value>> {
+    let started = Instant::now();
+    let ready = agent.wait_ready(Duration::from_secs(30))?;
+    println!(
+        "agent ready after {:.1}s: {}",
+        started.elapsed().as_secs_f64(),
+        ready.lines().next().unwrap_or_default()
+    );
+    let installed = d.bin.join("sidestep");
+    let same = std::fs::read(&installed).ok() == std::fs::read(bin_dir().join("sidestep-cni")).ok();
+    let plugins = sidestep_entries(&d.conf.join(PRIMARY))?;
+    let types: Vec<&str> = plugins.iter().filter_map(|p| p["type"].as_str()).collect();
+    lines.push(Line::new(
+        "agent: ready, plugin installed, entry chained",
+        usize::from(ready.starts_with("ready"))
+            + usize::from(same)
+            + usize::from(types == ["bridge", "portmap", "sidestep"]),
+        3,
+        format!("{PRIMARY}: {}", types.join(" + ")),
+    ));
+    // The runtime runs the file the agent wrote: its entries after the primary plugin.
+    Ok(plugins.into_iter().skip(1).collect())
+}
+
 fn run(lines: &mut Vec<Line>) -> Result<Made> {
     let env = TestEnv::new("demo")?;
-    let loaded = Loaded::load(&env)?;
+    let t = env.tmp_dir();
+    let d = Dirs {
+        bin: t.join("cni-bin"),
+        conf: t.join("net.d"),
+        state: t.join("cni-state"),
+    };
+    for p in [&d.bin, &d.conf] {
+        std::fs::create_dir_all(p)?;
+    }
+    // The primary CNI's configuration; its bridge entry stands for the node's network, which
+    // the demo's Node sets up (bridge name and subnet of its own).
+    std::fs::write(
+        d.conf.join(PRIMARY),
+        serde_json::to_vec_pretty(&json!({
+            "cniVersion": "1.0.0", "name": "demo-net",
+            "plugins": [{"type": "bridge"},
+                        {"type": "portmap", "capabilities": {"portMappings": true}, "snat": false}]
+        }))?,
+    )?;
+    // Dropped in reverse order: pods (Node), then the agent, then the uninstall, then the env.
+    let mut uninstall = Uninstall {
+        args: d.agent_args(&env),
+        done: false,
+    };
+    let mut agent = AgentProc::start(&env, &d)?;
+    let chain = check_agent(&d, &mut agent, lines)?;
+    let pin_root = env.pin_root().to_path_buf();
     println!(
-        "loaded sidestep into {} (pins under {})",
+        "the agent loaded sidestep into {} (pins under {})",
         env.cgroup_path().display(),
-        env.pin_root().display()
+        pin_root.display()
     );
-    let state_dir = env.tmp_dir().join("cni-state");
     let node = Node::new(
         &env,
         NodeOptions {
             dual_stack: true,
-            chain: sidestep_tests::sidestep::cni_chain(loaded.pin_root(), &state_dir),
-            plugin_dirs: vec![sidestep_tests::sidestep::cni_plugin_dir(&env)?],
+            chain,
+            // The binary the agent installed, found by its type as libcni finds it.
+            plugin_dirs: vec![d.bin.clone()],
         },
     )?;
     let made = Made {
         env_id: env.id().to_owned(),
-        pin_root: env.pin_root().to_owned(),
+        pin_root: pin_root.clone(),
         cgroup: env.cgroup_path().to_owned(),
         bridge: node.bridge().to_owned(),
         tmp: env.tmp_dir().to_owned(),
     };
     println!(
-        "CNI network {}: bridge + host-local, portmap, sidestep-cni",
+        "CNI network {}: bridge + host-local, then the agent's chain",
         node.network()
     );
     // Pods as a kubelet makes them after Istio's injector: the status annotation, passed by the
@@ -121,13 +348,13 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
         .iter()
         .map(|p| p.netns_cookie())
         .collect::<Result<Vec<u64>>>()?;
-    let now = enrolled(&loaded)?;
-    lines.push(Line {
-        what: "pods enrolled by sidestep-cni at CNI ADD".into(),
-        ok: cookies.iter().filter(|c| now.contains(c)).count(),
-        total: pods.len(),
-        note: "from the sidecar.istio.io/status annotation".into(),
-    });
+    let now = enrolled(&pin_root)?;
+    lines.push(Line::new(
+        "pods enrolled by sidestep-cni at CNI ADD",
+        cookies.iter().filter(|c| now.contains(c)).count(),
+        pods.len(),
+        "from the sidecar.istio.io/status annotation",
+    ));
 
     let _web = nginx::Server::start(&env, &server, 80)?;
     let body = nginx::body_for("server-1");
@@ -139,67 +366,79 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
     // IPv4 only: HAProxy 2.6 takes an IPv6 destination from getsockname, never from
     // IP6T_SO_ORIGINAL_DST, so it cannot follow an IPv6 REDIRECT (sidestep's or iptables').
     let target = url(server.ipv4.into(), 80, "/");
-    let first = lines.len();
     for (i, client) in clients.iter().enumerate() {
         let ok = requests(&env, client, &target, &body)?;
-        lines.push(Line {
-            what: format!("{} -> server-1:80 (IPv4)", client.name),
+        lines.push(Line::new(
+            format!("{} -> server-1:80 (IPv4)", client.name),
             ok,
-            total: REQUESTS,
-            note: String::new(),
-        });
+            REQUESTS,
+            "via both sidecars",
+        ));
         // The client's sidecar logged each forwarded connection with its original destination.
         sidecars[i].wait_log(&[&format!("{}:80", server.ipv4)], Duration::from_secs(5))?;
     }
     let redirected: u64 = clients
         .iter()
-        .map(|c| counter(&loaded, c, "redirected_outbound"))
+        .map(|c| counter(&pin_root, c, "redirected_outbound"))
         .sum::<Result<u64>>()?;
     let hits: u64 = clients
         .iter()
-        .map(|c| counter(&loaded, c, "orig_dst_hits"))
+        .map(|c| counter(&pin_root, c, "orig_dst_hits"))
         .sum::<Result<u64>>()?;
-    let inbound = counter(&loaded, &server, "redirected_inbound")?;
+    let inbound = counter(&pin_root, &server, "redirected_inbound")?;
     let sent = (clients.len() * REQUESTS) as u64;
-    for line in &mut lines[first..] {
-        line.note = "via both sidecars".into();
-    }
-    lines.push(Line {
-        what: "outbound redirects / original-dst answers".into(),
-        ok: redirected.min(hits).min(sent) as usize,
-        total: sent as usize,
-        note: format!("redirected {redirected}, SO_ORIGINAL_DST hits {hits}"),
-    });
-    lines.push(Line {
-        what: "inbound sk_assign to server-1's sidecar".into(),
-        ok: inbound.min(sent) as usize,
-        total: sent as usize,
-        note: format!("redirected inbound {inbound}"),
-    });
+    lines.push(Line::new(
+        "outbound redirects / original-dst answers",
+        redirected.min(hits).min(sent) as usize,
+        sent as usize,
+        format!("redirected {redirected}, SO_ORIGINAL_DST hits {hits}"),
+    ));
+    lines.push(Line::new(
+        "inbound sk_assign to server-1's sidecar",
+        inbound.min(sent) as usize,
+        sent as usize,
+        format!("redirected inbound {inbound}"),
+    ));
+    // The agent's /metrics shows the same per-pod counters.
+    let samples = agent.samples()?;
+    let from_metrics: f64 = samples
+        .iter()
+        .filter(|(k, _)| k.starts_with("sidestep_pod_redirected_outbound_total{"))
+        .map(|(_, v)| v)
+        .sum();
+    lines.push(Line::new(
+        "agent /metrics: outbound redirects",
+        usize::from(from_metrics >= redirected as f64),
+        1,
+        format!("sidestep_pod_redirected_outbound_total sums to {from_metrics}"),
+    ));
 
     // Capture is real: with client-1's sidecar gone, its requests cannot leave the pod.
     sidecars[0].child().kill()?;
     let leaked = requests(&env, &clients[0], &target, &body)?;
-    lines.push(Line {
-        what: "client-1 with its sidecar stopped".into(),
-        ok: REQUESTS - leaked,
-        total: REQUESTS,
-        note: "blocked, as capture must".into(),
-    });
+    lines.push(Line::new(
+        "client-1 with its sidecar stopped",
+        REQUESTS - leaked,
+        REQUESTS,
+        "blocked, as capture must",
+    ));
 
-    let pin_root = env.pin_root().display().to_string();
-    let status = sidestep(&["status", "--pin-root", &pin_root])?;
-    println!("\n{}", String::from_utf8_lossy(&status.stdout));
+    let st = sidestep(&["status", "--pin-root", &pin_root.display().to_string()])?;
+    println!("\n{}", String::from_utf8_lossy(&st.stdout));
     drop(sidecars);
 
     // CNI DEL through the chain, in reverse: enrolment, tc links and records go.
     for pod in &pods {
         node.remove_pod(pod)?;
     }
-    let now = enrolled(&loaded)?;
-    let tc = loaded.pin_root().join("links/tc");
-    let records = std::fs::read_dir(&state_dir)
-        .map(|d| d.flatten().filter(|e| e.path().is_file()).count())
+    let now = enrolled(&pin_root)?;
+    let tc = pin_root.join("links/tc");
+    let records = std::fs::read_dir(&d.state)
+        .map(|r| {
+            r.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+                .count()
+        })
         .unwrap_or(0);
     let clean = pods
         .iter()
@@ -207,18 +446,77 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
         .filter(|(pod, cookie)| {
             !now.contains(cookie)
                 && !tc.join(cookie.to_string()).exists()
-                && !state_dir
+                && !d
+                    .state
                     .join(format!("{}@eth0.json", pod.container_id))
                     .exists()
         })
         .count();
-    lines.push(Line {
-        what: "CNI DEL: enrolment, tc links, records gone".into(),
-        ok: if records == 0 { clean } else { 0 },
-        total: pods.len(),
-        note: format!("{} pods enrolled, {records} records left", now.len()),
-    });
-    loaded.unload()?;
+    lines.push(Line::new(
+        "CNI DEL: enrolment, tc links, records gone",
+        if records == 0 { clean } else { 0 },
+        pods.len(),
+        format!("{} pods enrolled, {records} records left", now.len()),
+    ));
+
+    // The plugin's ADDs and DELs as the agent counts and times them.
+    let n = pods.len() as f64;
+    let key = |m: &str, cmd: &str| format!(r#"{m}{{command="{cmd}",result="ok"}}"#);
+    let mut seen = (0.0, 0.0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let s = agent.samples()?;
+        let get = |k: String| s.get(&k).copied().unwrap_or(0.0);
+        seen = (
+            get(key("sidestep_cni_operations_total", "ADD")),
+            get(key("sidestep_cni_operations_total", "DEL")),
+        );
+        if seen == (n, n) {
+            let h = "sidestep_cni_operation_duration_seconds";
+            let mean = |cmd| {
+                get(key(&format!("{h}_sum"), cmd)) / get(key(&format!("{h}_count"), cmd)) * 1e3
+            };
+            println!(
+                "plugin time as the agent reports it: ADD mean {:.1} ms, DEL mean {:.1} ms",
+                mean("ADD"),
+                mean("DEL")
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    lines.push(Line::new(
+        "agent /metrics: plugin ADDs and DELs",
+        (seen.0.min(n) + seen.1.min(n)) as usize * usize::from(seen == (n, n)),
+        2 * pods.len(),
+        format!(
+            "sidestep_cni_operations_total: ADD {}, DEL {}",
+            seen.0, seen.1
+        ),
+    ));
+    drop(node);
+
+    // Stopping the agent leaves capture in place; `sidestep uninstall` removes it all.
+    agent.child.terminate(Duration::from_secs(10))?;
+    drop(agent);
+    let out = uninstall.run()?;
+    print!("\nsidestep uninstall:\n{out}");
+    let entries = sidestep_entries(&d.conf.join(PRIMARY))?
+        .iter()
+        .filter(|p| p["type"] == "sidestep")
+        .count();
+    let gone = [
+        entries == 0,
+        !d.bin.join("sidestep").exists(),
+        !pin_root.exists(),
+        !d.state.exists(),
+    ];
+    lines.push(Line::new(
+        "uninstall: conflist entry, binary, pins, state",
+        gone.iter().filter(|g| **g).count(),
+        gone.len(),
+        "",
+    ));
     Ok(made)
 }
 

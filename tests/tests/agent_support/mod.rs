@@ -146,7 +146,12 @@ pub struct Agent {
 impl Agent {
     pub fn start(env: &TestEnv, args: &[String], port: u16) -> Result<Self> {
         let bin = bin_dir().join("sidestep");
-        let bin = bin.display().to_string();
+        Self::start_program(env, &bin.display().to_string(), args, port)
+    }
+
+    /// Runs `program args` (a wrapper such as setpriv that execs the agent, or the agent).
+    pub fn start_program(env: &TestEnv, program: &str, args: &[String], port: u16) -> Result<Self> {
+        let bin = program.to_owned();
         let mut argv: Vec<&str> = vec![&bin];
         argv.extend(args.iter().map(String::as_str));
         let child = env.spawn(Spawn::new(&argv).env(&[
@@ -322,4 +327,43 @@ pub fn uninstall(env: &TestEnv, d: &Dirs) -> Result<String> {
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = sidestep_tests::sidestep::sidestep(&argv)?;
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Every sample of /metrics, keyed by the text before its value (`name{labels}`).
+pub fn samples(agent: &Agent) -> Result<std::collections::BTreeMap<String, f64>> {
+    let (code, body) = agent.get("/metrics")?;
+    if code != 200 {
+        bail!("/metrics answered {code}: {body}");
+    }
+    Ok(body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect())
+}
+
+/// The capability sets of every thread of `pid`: (CapInh, CapPrm, CapEff, CapBnd, CapAmb).
+pub fn thread_caps(pid: u32) -> Result<Vec<[u64; 5]>> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let text = std::fs::read_to_string(t?.path().join("status"))?;
+        let get = |k: &str| -> Result<u64> {
+            let v = text
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .with_context(|| format!("no {k} in /proc/{pid}/task/*/status"))?;
+            Ok(u64::from_str_radix(v.trim(), 16)?)
+        };
+        out.push([
+            get("CapInh:")?,
+            get("CapPrm:")?,
+            get("CapEff:")?,
+            get("CapBnd:")?,
+            get("CapAmb:")?,
+        ]);
+    }
+    Ok(out)
 }

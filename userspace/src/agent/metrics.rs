@@ -4,13 +4,18 @@
 //!   namespace and name from the plugin's record (empty when it has none) and its netns cookie;
 //! - per program, run count and run time, when `kernel.bpf_stats_enabled` is 1;
 //! - the agent's own work: CNI config writes, records added and removed (the plugin's ADDs and
-//!   DELs as seen in its state directory), FAIL_OPEN pods, GC, repairs, reconcile errors.
+//!   DELs as seen in its state directory), FAIL_OPEN pods, GC, repairs, reconcile errors;
+//! - every plugin invocation, counted and timed by outcome (`sidestep_cni_operations_total`,
+//!   `sidestep_cni_operation_duration_seconds`), read from the lines the plugin appends to
+//!   `<state_dir>/timings` (see [`CniTimings`]).
 
 use std::{
     collections::BTreeMap,
     path::Path,
     sync::atomic::{AtomicU64, Ordering},
 };
+
+pub use super::timings::CniTimings;
 
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
@@ -34,6 +39,8 @@ pub struct AgentCounters {
     pub reconciles: AtomicU64,
     pub kubeconfig_writes: AtomicU64,
     pub binary_installs: AtomicU64,
+    /// The plugin's invocations, from its timing lines.
+    pub cni: CniTimings,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -202,6 +209,9 @@ pub fn render(
     ] {
         counter(&mut reg, name, help, c(v));
     }
+
+    counters.cni.poll(state_dir);
+    counters.cni.register(&mut reg);
 
     let by_cookie: BTreeMap<u64, pods::Record> = pods::records(state_dir)
         .into_values()

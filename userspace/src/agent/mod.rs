@@ -13,6 +13,7 @@
 //! pods keep their capture; `sidestep uninstall` removes everything.
 
 pub mod args;
+pub mod capabilities;
 pub mod conflist;
 pub mod http;
 pub mod install;
@@ -21,6 +22,7 @@ pub mod pods;
 pub mod reconcile;
 pub mod settings;
 pub mod template;
+pub mod timings;
 pub mod uninstall;
 mod watch;
 
@@ -357,6 +359,8 @@ pub fn main(args: &AgentArgs, log_level: Option<&str>) -> anyhow::Result<()> {
     init_logging(&settings.log_level, settings.log_format);
     check_capabilities(settings.scan_proc)?;
     let agent = Arc::new(Agent::start(settings)?);
+    // Before the runtime starts its threads: capabilities are per thread.
+    capabilities::drop_after_start(&agent.settings)?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

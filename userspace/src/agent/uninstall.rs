@@ -79,7 +79,16 @@ fn remove_records(dir: &std::path::Path) -> Result<usize, UninstallError> {
             let p = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
             // Records, markers, and the temporary files of an interrupted write.
-            if p.is_file() && (name.ends_with(".json") || name.contains(".json.tmp.")) {
+            let record = name.ends_with(".json") || name.contains(".json.tmp.");
+            // The plugin's timing lines (not counted as records).
+            let timings = name == super::timings::FILE_NAME || name == super::timings::ROTATED_NAME;
+            if p.is_file() && timings {
+                fs::remove_file(&p).map_err(|source| UninstallError::State {
+                    path: p.clone(),
+                    source,
+                })?;
+            }
+            if p.is_file() && record {
                 fs::remove_file(&p).map_err(|source| UninstallError::State {
                     path: p.clone(),
                     source,

@@ -97,7 +97,8 @@ async fn kubeconfig_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
     }
 }
 
-/// Counts the plugin's ADDs and DELs as records appearing and disappearing.
+/// Counts the plugin's ADDs and DELs as records appearing and disappearing, and reads its
+/// timing lines.
 async fn records_loop(agent: Arc<Agent>) {
     let dir = agent.settings.state_dir.clone();
     let mut seen: BTreeSet<String> = pods::record_names(&dir).into_iter().collect();
@@ -110,6 +111,7 @@ async fn records_loop(agent: Arc<Agent>) {
         c.cni_dels_observed
             .fetch_add(seen.difference(&now).count() as u64, Ordering::Relaxed);
         seen = now;
+        c.cni.poll(&dir);
     }
 }
 

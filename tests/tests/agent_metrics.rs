@@ -1,0 +1,203 @@
+//! The plugin's invocations in the agent's /metrics: real ADDs and DELs through the CNI chain the
+//! agent installed are counted by command and result, with latency histograms whose buckets,
+//! count and sum agree with what the test itself timed; invocations made while the agent is
+//! down are counted once it is back; uninstall leaves no timing file. Needs root.
+
+mod agent_support;
+
+use std::{
+    collections::BTreeMap,
+    io::Write as _,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use agent_support::{Agent, Dirs, base_args, free_port, meshed, samples, wait_until};
+use anyhow::{Context as _, Result, ensure};
+use serde_json::json;
+use sidestep_tests::{TestEnv, skip_unless_root};
+
+const HIST: &str = "sidestep_cni_operation_duration_seconds";
+
+fn ops(s: &BTreeMap<String, f64>, command: &str, result: &str) -> f64 {
+    s.get(&format!(
+        r#"sidestep_cni_operations_total{{command="{command}",result="{result}"}}"#
+    ))
+    .copied()
+    .unwrap_or(0.0)
+}
+
+/// (bucket bounds with their cumulative counts, count, sum) of one histogram series.
+fn histogram(
+    s: &BTreeMap<String, f64>,
+    command: &str,
+    result: &str,
+) -> (Vec<(f64, f64)>, f64, f64) {
+    let labels = format!(r#"command="{command}",result="{result}""#);
+    let mut buckets: Vec<(f64, f64)> = s
+        .iter()
+        .filter_map(|(k, v)| {
+            let rest = k.strip_prefix(&format!("{HIST}_bucket{{le=\""))?;
+            let (le, tail) = rest.split_once("\",")?;
+            (tail == format!("{labels}}}")).then(|| {
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap_or(f64::NAN)
+                };
+                (le, *v)
+            })
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let get = |suffix: &str| {
+        s.get(&format!("{HIST}_{suffix}{{{labels}}}"))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    (buckets, get("count"), get("sum"))
+}
+
+/// An ADD the plugin refuses (the netns is not a network namespace), run as a runtime would.
+fn failing_add(d: &Dirs, entry: &serde_json::Value) -> Result<()> {
+    let mut conf = entry.clone();
+    conf["cniVersion"] = json!("1.0.0");
+    conf["name"] = json!("test-net");
+    let mut child = Command::new(d.bin.join("sidestep"))
+        .env_clear()
+        .env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", "metrics-bad-netns")
+        .env("CNI_NETNS", "/dev/null")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", &d.bin)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        !out.status.success(),
+        "ADD into /dev/null succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(())
+}
+
+#[test]
+fn agent_counts_and_times_the_plugins_adds_and_dels() -> Result<()> {
+    if skip_unless_root("agent_counts_and_times_the_plugins_adds_and_dels") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-metrics")?;
+    let d = Dirs::new(&env)?;
+    d.write_primary("10-test.conflist")?;
+    let port = free_port()?;
+    let args = base_args(&env, &d, port);
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let entry = d.entry("10-test.conflist")?;
+    let node = d.node(&env, "10-test.conflist")?;
+
+    // Real ADDs and DELs through the chain; the test times each whole chain invocation, which
+    // contains the plugin's own time.
+    const PODS: usize = 4;
+    let mut chain_add = Duration::ZERO;
+    let mut chain_del = Duration::ZERO;
+    let mut pods = Vec::new();
+    for i in 0..PODS {
+        let t = Instant::now();
+        pods.push(node.add_pod_with(&format!("m{i}"), meshed())?);
+        chain_add += t.elapsed();
+    }
+    // Two of them go away again; the other two stay enrolled for a while.
+    for p in pods.drain(..2) {
+        let t = Instant::now();
+        node.remove_pod(&p)?;
+        chain_del += t.elapsed();
+    }
+    failing_add(&d, &entry)?;
+
+    let want = |s: &BTreeMap<String, f64>| {
+        ops(s, "ADD", "ok") == PODS as f64
+            && ops(s, "DEL", "ok") == 2.0
+            && ops(s, "ADD", "error") == 1.0
+    };
+    wait_until("the counts in /metrics", Duration::from_secs(5), || {
+        Ok(want(&samples(&agent)?))
+    })
+    .with_context(|| format!("{:?}", samples(&agent)))?;
+    let s = samples(&agent)?;
+    for (cmd, result, n, outer) in [
+        ("ADD", "ok", PODS as f64, Some(chain_add)),
+        ("DEL", "ok", 2.0, Some(chain_del)),
+        ("ADD", "error", 1.0, None),
+    ] {
+        let (buckets, count, sum) = histogram(&s, cmd, result);
+        ensure!(count == n, "{cmd} {result}: count {count}, want {n}");
+        ensure!(
+            buckets.len() >= 10
+                && buckets
+                    .last()
+                    .is_some_and(|b| b.0.is_infinite() && b.1 == n),
+            "{cmd} {result}: buckets {buckets:?}"
+        );
+        ensure!(
+            buckets.windows(2).all(|w| w[0].1 <= w[1].1),
+            "{cmd} {result}: buckets not cumulative: {buckets:?}"
+        );
+        ensure!(sum > 0.0, "{cmd} {result}: sum {sum}");
+        if let Some(outer) = outer {
+            ensure!(
+                sum <= outer.as_secs_f64(),
+                "{cmd} {result}: the plugin reports {sum}s, more than the {outer:?} the whole \
+                 chain took"
+            );
+        }
+        let median = buckets
+            .iter()
+            .find(|b| b.1 * 2.0 >= n)
+            .map_or(f64::NAN, |b| b.0);
+        eprintln!(
+            "{cmd} {result}: {count} calls, mean {:.1} ms, median <= {median} s",
+            sum / count * 1e3
+        );
+    }
+    let (_, body) = agent.get("/metrics")?;
+    let excerpt: Vec<&str> = body
+        .lines()
+        .filter(|l| l.contains("sidestep_cni_operation") && l.contains("ADD"))
+        .collect();
+    eprintln!("{}", excerpt.join("\n"));
+
+    // The agent is down while the runtime deletes the other two pods: counted when it is back.
+    agent.child.terminate(Duration::from_secs(10))?;
+    for p in pods.drain(..) {
+        node.remove_pod(&p)?;
+    }
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    wait_until("the counts after a restart", Duration::from_secs(5), || {
+        let s = samples(&agent)?;
+        Ok(ops(&s, "DEL", "ok") == 4.0 && ops(&s, "ADD", "ok") == PODS as f64)
+    })
+    .with_context(|| format!("{:?}", samples(&agent)))?;
+    ensure!(
+        samples(&agent)?
+            .get("sidestep_cni_timing_records_malformed_total")
+            .copied()
+            == Some(0.0)
+    );
+    agent.child.terminate(Duration::from_secs(10))?;
+
+    agent_support::uninstall(&env, &d)?;
+    ensure!(
+        !d.state.join("timings").exists(),
+        "uninstall left the timing file"
+    );
+    Ok(())
+}
