@@ -69,14 +69,13 @@ impl Dataplane for Pinned {
 
     fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
         let enrolled = match PolicyMaps::open(&self.pin_root) {
-            Ok(maps) => maps.pods.get(&cookie, 0).is_ok(),
+            // Also without a pod entry: a DEL killed after removing it left the pod's rules.
+            Ok(_) => true,
             // The maps are gone, but a tc link pinned by an interrupted unload may not be.
             Err(MapsError::NotLoaded(_)) => false,
             Err(e) => return Err(e.into()),
         };
         if !enrolled {
-            // unenroll_by_cookie reports the kernel's ENOENT for an absent pod entry as an
-            // error, so an absent pod only gets its tc links removed.
             tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
             return Ok(false);
         }

@@ -7,6 +7,14 @@
 //! ```
 //! `@` cannot occur in a container ID, so the name is unambiguous. Records are written to a
 //! temporary file and renamed, so a reader sees the old record or the new one, never half.
+//!
+//! ADD writes its record twice: `pending` (the netns cookie and policy, before the first map
+//! write) and then complete. A plugin killed in between leaves the pending record, from which
+//! DEL, GC and the agent's reconcile find what to undo even when the netns is gone.
+//!
+//! A record that does not decode (truncated, garbage, an unknown format, a directory in its
+//! place) is reported by path; [`salvage_cookie`] still finds its netns cookie when the text
+//! holds one, and [`StateDir::remove_record`] moves a directory aside instead of failing.
 
 use std::{
     fs::{self, DirBuilder, OpenOptions},
@@ -41,6 +49,12 @@ pub struct AttachmentRecord {
     pub policy: Policy,
     pub pin_root: PathBuf,
     pub created_unix: u64,
+    /// Written before enrolment starts; cleared when ADD finished. Absent in older records.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pending: bool,
+    /// The PID of the plugin that wrote a pending record: once it is gone, the ADD is dead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer_pid: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,18 +145,27 @@ impl StateDir {
         Ok(())
     }
 
-    fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), StateError> {
+    /// `durable`: fsync the file and the directory. A pending record needs only to survive the
+    /// plugin's own death (the page cache does that); after a reboot no enrolment is left.
+    fn write_json<T: Serialize>(
+        &self,
+        path: &Path,
+        value: &T,
+        durable: bool,
+    ) -> Result<(), StateError> {
         let dir = path.parent().unwrap_or(&self.root);
         Self::ensure_dir(dir)?;
+        if path.is_dir() {
+            // rename(2) cannot replace a directory; whatever put it there, the record wins.
+            Self::move_aside(path)?;
+        }
         let werr = |source| StateError::Write {
             path: path.to_path_buf(),
             source,
         };
-        let tmp = dir.join(format!(
-            ".{}.tmp.{}",
-            path.file_name().unwrap_or_default().to_string_lossy(),
-            std::process::id()
-        ));
+        // One fixed name per record (the runtime never runs two commands of one attachment at
+        // once): a writer killed before its rename leaves a file the next write reuses.
+        let tmp = Self::tmp_path(path);
         let body = serde_json::to_vec_pretty(value).map_err(|e| werr(io::Error::other(e)))?;
         let result = (|| {
             let mut f = OpenOptions::new()
@@ -152,8 +175,14 @@ impl StateDir {
                 .mode(0o600)
                 .open(&tmp)?;
             f.write_all(&body)?;
-            f.sync_all()?;
+            if durable {
+                f.sync_all()?;
+            }
+            sidestep::sys::failpoint("state:before-rename");
             fs::rename(&tmp, path)?;
+            if !durable {
+                return Ok(());
+            }
             // The rename is durable only once the directory is.
             fs::File::open(dir)?.sync_all()
         })();
@@ -174,18 +203,50 @@ impl StateDir {
                 });
             }
         };
-        serde_json::from_slice(&text)
+        let corrupt = |reason: String| StateError::Corrupt {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if text.is_empty() {
+            return Err(corrupt("empty file".into()));
+        }
+        let value: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| corrupt(e.to_string()))?;
+        // Records carry a format; markers do not. A newer plugin's record is not guessed at.
+        if let Some(f) = value.get("format")
+            && f.as_u64() != Some(u64::from(RECORD_FORMAT))
+        {
+            return Err(corrupt(format!(
+                "unknown record format {f} (this plugin reads {RECORD_FORMAT})"
+            )));
+        }
+        serde_json::from_value(value)
             .map(Some)
-            .map_err(|e| StateError::Corrupt {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
-            })
+            .map_err(|e| corrupt(e.to_string()))
+    }
+
+    /// Renames what sits at `path` to a hidden `.<name>.corrupt-<unix time>` beside it: listings
+    /// skip it, and an operator can still look at it.
+    fn move_aside(path: &Path) -> Result<PathBuf, StateError> {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let aside = path.with_file_name(format!(".{name}.corrupt-{}", now_unix()));
+        fs::rename(path, &aside).map_err(|source| StateError::Remove {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        tracing::warn!(
+            "{} is not a record file; moved it aside to {}",
+            path.display(),
+            aside.display()
+        );
+        Ok(aside)
     }
 
     fn remove(path: &Path) -> Result<bool, StateError> {
         match fs::remove_file(path) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(_) if path.is_dir() => Self::move_aside(path).map(|_| true),
             Err(source) => Err(StateError::Remove {
                 path: path.to_path_buf(),
                 source,
@@ -193,8 +254,25 @@ impl StateDir {
         }
     }
 
+    fn tmp_path(path: &Path) -> PathBuf {
+        path.with_file_name(format!(
+            ".{}.tmp",
+            path.file_name().unwrap_or_default().to_string_lossy()
+        ))
+    }
+
     pub fn write_record(&self, r: &AttachmentRecord) -> Result<(), StateError> {
-        self.write_json(&self.record_path(&r.container_id, &r.ifname), r)
+        self.write_json(&self.record_path(&r.container_id, &r.ifname), r, true)
+    }
+
+    /// The pending record ADD writes before it changes anything.
+    pub fn write_pending(&self, r: &AttachmentRecord) -> Result<(), StateError> {
+        let r = AttachmentRecord {
+            pending: true,
+            writer_pid: Some(std::process::id()),
+            ..r.clone()
+        };
+        self.write_json(&self.record_path(&r.container_id, &r.ifname), &r, false)
     }
 
     pub fn read_record(
@@ -206,11 +284,14 @@ impl StateDir {
     }
 
     pub fn remove_record(&self, container_id: &str, ifname: &str) -> Result<bool, StateError> {
-        Self::remove(&self.record_path(container_id, ifname))
+        let path = self.record_path(container_id, ifname);
+        // What a writer killed before its rename left.
+        let _ = fs::remove_file(Self::tmp_path(&path));
+        Self::remove(&path)
     }
 
     pub fn write_marker(&self, m: &FailOpenMarker) -> Result<(), StateError> {
-        self.write_json(&self.marker_path(&m.container_id, &m.ifname), m)
+        self.write_json(&self.marker_path(&m.container_id, &m.ifname), m, true)
     }
 
     pub fn read_marker(
@@ -267,6 +348,22 @@ impl StateDir {
     }
 }
 
+/// The netns cookie written in a record that no longer decodes (a truncated write, a stray
+/// edit), so that DEL can still find the pod's entries and links in the kernel.
+pub fn salvage_cookie(path: &Path) -> Option<u64> {
+    let text = fs::read(path).ok()?;
+    let text = String::from_utf8_lossy(&text);
+    let after = &text[text.find("\"netnsCookie\"")? + "\"netnsCookie\"".len()..];
+    let rest = after.trim_start().strip_prefix(':')?.trim_start();
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    // A cut inside the number would name another cookie: accept only a number that ended.
+    let next = rest[digits.len()..].chars().next();
+    if digits.is_empty() || !next.is_some_and(|c| c == ',' || c == '}' || c.is_whitespace()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,6 +383,8 @@ mod tests {
             policy: Policy::default(),
             pin_root: "/sys/fs/bpf/sidestep".into(),
             created_unix: 1,
+            pending: false,
+            writer_pid: None,
         }
     }
 
@@ -324,6 +423,58 @@ mod tests {
         assert!(matches!(e, StateError::Corrupt { .. }), "{e}");
         let all = state.records();
         assert_eq!(all.iter().filter(|(_, r)| r.is_err()).count(), 1);
+    }
+
+    #[test]
+    fn damaged_records_are_named_and_their_cookie_salvaged() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = StateDir::new(tmp.path());
+        state.write_record(&record("c")).unwrap();
+        let path = state.record_path("c", "eth0");
+        let full = fs::read_to_string(&path).unwrap();
+        let at = full.find("\"netnsCookie\"").unwrap();
+        // Cut right after the cookie's number, and inside it.
+        let end = at + full[at..].find(',').unwrap();
+        fs::write(&path, &full[..end + 1]).unwrap();
+        assert!(matches!(
+            state.read_record("c", "eth0"),
+            Err(StateError::Corrupt { .. })
+        ));
+        assert_eq!(salvage_cookie(&path), Some(42));
+        fs::write(&path, &full[..end - 1]).unwrap();
+        assert_eq!(salvage_cookie(&path), None);
+        for body in ["", "\u{0}garbage", "[1,2]"] {
+            fs::write(&path, body).unwrap();
+            let e = state.read_record("c", "eth0").unwrap_err();
+            assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        }
+        let mut v: serde_json::Value = serde_json::from_str(&full).unwrap();
+        v["format"] = 99.into();
+        fs::write(&path, v.to_string()).unwrap();
+        let e = state.read_record("c", "eth0").unwrap_err();
+        assert!(e.to_string().contains("unknown record format 99"), "{e}");
+        // A directory in a record's place: unreadable, then moved aside by DEL's remove and
+        // replaced by ADD's write.
+        fs::remove_file(&path).unwrap();
+        fs::create_dir(&path).unwrap();
+        assert!(state.read_record("c", "eth0").is_err());
+        assert!(state.remove_record("c", "eth0").unwrap());
+        assert!(!path.exists());
+        fs::create_dir(&path).unwrap();
+        state.write_record(&record("c")).unwrap();
+        assert_eq!(state.read_record("c", "eth0").unwrap(), Some(record("c")));
+    }
+
+    #[test]
+    fn pending_records_round_trip_and_old_records_are_complete() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = StateDir::new(tmp.path());
+        state.write_pending(&record("c")).unwrap();
+        assert!(state.read_record("c", "eth0").unwrap().unwrap().pending);
+        state.write_record(&record("c")).unwrap();
+        let text = fs::read_to_string(state.record_path("c", "eth0")).unwrap();
+        assert!(!text.contains("pending"), "{text}");
+        assert!(!state.read_record("c", "eth0").unwrap().unwrap().pending);
     }
 
     #[test]

@@ -44,6 +44,7 @@ pub fn enroll(
     let was_enrolled = maps.pods.get(&netns_cookie, 0).is_ok();
     let entries = policy.to_map_entries(netns_cookie);
     write_entries(&mut maps, netns_cookie, &entries)?;
+    crate::sys::failpoint("enroll:after-maps");
     let attached = if entries.pod.flags & flags::INBOUND != 0 {
         match tc::attach_inbound(
             &layout,
@@ -53,6 +54,7 @@ pub fn enroll(
             &policy.exclude_interfaces,
         ) {
             Ok(a) => {
+                crate::sys::failpoint("enroll:after-links");
                 if let Err(e) = set_interfaces(&mut maps, netns_cookie, &a) {
                     if !was_enrolled {
                         let _ = unenroll_cookie(&mut maps, netns_cookie);
@@ -133,6 +135,7 @@ pub fn write_entries(
                 other => other,
             })?;
         }
+        crate::sys::failpoint("enroll:before-pod-entry");
         maps.pods
             .insert(netns_cookie, entries.pod, 0)
             .map_err(|e| classify(map_names::POD_POLICY, maps.pod_capacity, e))
@@ -243,6 +246,7 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
         }
         Err(e) => return Err(classify(map_names::POD_POLICY, 0, e)),
     };
+    crate::sys::failpoint("unenroll:after-pod-entry");
     for key in port_keys(maps, netns_cookie) {
         let _ = maps.ports.remove(&key);
     }

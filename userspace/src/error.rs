@@ -61,6 +61,16 @@ pub enum LoadError {
     },
     #[error("cannot remove {path}: {source}")]
     Unpin { path: PathBuf, source: io::Error },
+    #[error(
+        "map {map} layout changed ({changes}); the pinned {path} cannot serve the new programs. \
+         Run `sidestep unload` first (pods lose capture until they are enrolled again), or load \
+         a build with the old layout"
+    )]
+    MapLayout {
+        map: String,
+        path: PathBuf,
+        changes: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -158,6 +158,17 @@ pub fn load(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
     result
 }
 
+/// Loads over a pin root that lost some of its pins (bpffs unmounted, pins deleted): what is
+/// still pinned is reused and every link updated, what is missing is created. Unlike [`load`]
+/// it never removes the pin root on failure: a half-repaired data path still captures more than
+/// none.
+pub fn reload(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
+    require_root()?;
+    mounts::ensure_bpffs(&opts.pin_root)?;
+    mounts::check_cgroup2_dir(&opts.cgroup)?;
+    load_inner(opts, &PinLayout::new(&opts.pin_root), true)
+}
+
 fn load_inner(
     opts: &LoadOptions,
     layout: &PinLayout,
@@ -189,7 +200,11 @@ fn load_inner(
         loader.map_max_entries(map_names::COUNTERS, cap);
     }
     let object = opts.object.as_deref().unwrap_or(BPF_OBJECT);
+    // aya reuses a pinned map as it is; one whose layout changed would only surface as a
+    // verifier rejection that names neither the map nor the fix.
+    check_pinned_maps(layout, object, opts.pod_capacity)?;
     let mut ebpf = loader.load(object).map_err(LoadError::Object)?;
+    sys::failpoint("load:after-maps");
 
     // Load every program before touching any link, so a verifier rejection changes nothing.
     for name in CGROUP_PROGRAMS
@@ -226,6 +241,7 @@ fn load_inner(
         cgroup: sockets.clone(),
         source,
     })?;
+    sys::failpoint("load:after-sk-msg");
     // Per-pod and per-map programs are pinned only (for bpftool and status); enrolment attaches
     // the tc program inside each pod netns.
     for name in POD_PROGRAMS.into_iter().chain(MAP_PROGRAMS) {
@@ -234,7 +250,6 @@ fn load_inner(
             .ok_or(LoadError::MissingProgram(name))?;
         let path = layout.program(name);
         if path.exists() {
-            // TODO(upgrade): per-pod tc links keep the old program until re-enrolled.
             fs::remove_file(&path).map_err(|source| LoadError::Unpin {
                 path: path.clone(),
                 source,
@@ -245,8 +260,15 @@ fn load_inner(
             source: std::io::Error::other(e),
         })?;
     }
+    sys::failpoint("load:after-pod-programs");
+    if upgrading {
+        update_pod_links(layout, &ebpf)?;
+    }
 
-    for spec in CGROUP_PROGRAMS {
+    for (i, spec) in CGROUP_PROGRAMS.into_iter().enumerate() {
+        if i == CGROUP_PROGRAMS.len() / 2 {
+            sys::failpoint("load:mid-links");
+        }
         let program = ebpf
             .program_mut(spec.name)
             .ok_or(LoadError::MissingProgram(spec.name))?;
@@ -309,6 +331,7 @@ fn load_inner(
             source,
         })?;
     }
+    sys::failpoint("load:after-links");
     tracing::info!(
         pin_root = %layout.root().display(),
         cgroup = %opts.cgroup.display(),
@@ -320,6 +343,144 @@ fn load_inner(
     } else {
         LoadOutcome::Fresh
     })
+}
+
+/// Refuses to reuse a pinned map whose type, key size, value size or flags differ from the
+/// object's: the programs would be verified against the old layout and rejected, or worse, read
+/// old values with the new layout. A changed capacity is reported too, except for the maps whose
+/// capacity `pod_capacity` sets at creation (the pinned size is then the operator's choice).
+fn check_pinned_maps(
+    layout: &PinLayout,
+    object: &[u8],
+    pod_capacity: Option<u32>,
+) -> Result<(), LoadError> {
+    let obj = aya_obj::Object::parse(object)
+        .map_err(|e| LoadError::Object(aya::EbpfError::ParseError(e)))?;
+    for (name, def) in &obj.maps {
+        let path = layout.map(name);
+        if !map_names::ALL.contains(&name.as_str()) || !path.exists() {
+            continue;
+        }
+        let info = aya::maps::MapData::from_pin(&path)
+            .and_then(|m| m.info())
+            .map_err(|e| LoadError::Pin {
+                path: path.clone(),
+                source: std::io::Error::other(e),
+            })?;
+        let mut changes = Vec::new();
+        let want_type = aya_obj::generated::bpf_map_type::try_from(def.map_type())
+            .ok()
+            .and_then(|t| aya::maps::MapType::try_from(t).ok());
+        let have_type = info.map_type().ok();
+        if want_type != have_type {
+            changes.push(format!("type {have_type:?} -> {want_type:?}"));
+        }
+        for (what, have, want) in [
+            ("key", info.key_size(), def.key_size()),
+            ("value", info.value_size(), def.value_size()),
+        ] {
+            if have != want {
+                changes.push(format!("{what} {have} -> {want} bytes"));
+            }
+        }
+        if info.map_flags() != def.map_flags() {
+            changes.push(format!(
+                "flags {:#x} -> {:#x}",
+                info.map_flags(),
+                def.map_flags()
+            ));
+        }
+        let sized_by_option = [map_names::POD_POLICY, map_names::COUNTERS].contains(&name.as_str());
+        let want_entries = match pod_capacity {
+            Some(cap) if sized_by_option => cap,
+            _ => def.max_entries(),
+        };
+        if info.max_entries() != want_entries && (pod_capacity.is_some() || !sized_by_option) {
+            changes.push(format!(
+                "max_entries {} -> {want_entries}",
+                info.max_entries()
+            ));
+        }
+        if !changes.is_empty() {
+            return Err(LoadError::MapLayout {
+                map: name.clone(),
+                path,
+                changes: changes.join(", "),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Switches every pod's pinned tc and sk_lookup link to the newly loaded program
+/// (BPF_LINK_UPDATE: atomic, so the pod is never without inbound capture). A link whose netns
+/// or interface is already gone is left to the reconcile's garbage collection.
+fn update_pod_links(layout: &PinLayout, ebpf: &aya::Ebpf) -> Result<(), LoadError> {
+    let fd = |name: &'static str| -> Result<std::os::fd::OwnedFd, LoadError> {
+        let program = ebpf.program(name).ok_or(LoadError::MissingProgram(name))?;
+        let fd = program
+            .fd()
+            .map_err(|source| LoadError::ProgramLoad { name, source })?;
+        fd.as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| LoadError::Pin {
+                path: layout.program(name),
+                source,
+            })
+    };
+    let tc_prog = fd(program_names::TC_INGRESS)?;
+    let lookup_prog = fd(program_names::SK_LOOKUP)?;
+    let mut pins = Vec::new();
+    if let Ok(pods) = fs::read_dir(layout.links_dir().join("tc")) {
+        for pod in pods.flatten() {
+            if let Ok(ifaces) = fs::read_dir(pod.path()) {
+                pins.extend(ifaces.flatten().map(|i| (i.path(), tc_prog.as_fd())));
+            }
+        }
+    }
+    if let Ok(pods) = fs::read_dir(layout.links_dir().join("sklookup")) {
+        pins.extend(pods.flatten().map(|p| (p.path(), lookup_prog.as_fd())));
+    }
+    let (mut updated, mut gone) = (0usize, 0usize);
+    for (i, (pin, prog)) in pins.iter().enumerate() {
+        if i == 1 {
+            sys::failpoint("upgrade:mid-pod-links");
+        }
+        let result = sys::obj_get(pin).and_then(|link| sys::link_update(link.as_fd(), *prog));
+        match result {
+            Ok(()) => updated += 1,
+            // The kernel detached it with its netns or interface.
+            Err(e) if e.raw_os_error() == Some(libc::ENOLINK) => gone += 1,
+            Err(source) => {
+                return Err(LoadError::Replace {
+                    path: pin.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    tracing::info!(updated, gone, "per-pod links switched to the new programs");
+    Ok(())
+}
+
+/// The pins a complete load leaves, that are missing under `layout`: every map, every program
+/// and every cgroup link. Empty means loaded; anything else is an interrupted load or pins
+/// deleted behind sidestep's back.
+pub fn missing_pins(layout: &PinLayout) -> Vec<PathBuf> {
+    let maps = map_names::ALL.iter().map(|n| layout.map(n));
+    let programs = CGROUP_PROGRAMS
+        .iter()
+        .map(|s| s.name)
+        .chain(POD_PROGRAMS)
+        .chain(MAP_PROGRAMS)
+        .map(|n| layout.program(n));
+    let links = CGROUP_PROGRAMS
+        .iter()
+        .map(|s| layout.cgroup_link(s.attach_point));
+    maps.chain(programs)
+        .chain(links)
+        .filter(|p| !p.exists())
+        .collect()
 }
 
 /// Detaches every pinned link and removes every pin under `pin_root`. Idempotent.

@@ -149,3 +149,20 @@ pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
         ifindex,
     })
 }
+
+/// The environment variable that names a failpoint, e.g. `SIDESTEP_FAILPOINT=add:after-maps`.
+pub const FAILPOINT_ENV: &str = "SIDESTEP_FAILPOINT";
+
+/// Fault injection for the fault tests (tests/tests/faults*.rs), not for operators: when
+/// `SIDESTEP_FAILPOINT` equals `name`, the process SIGKILLs itself right here, as an OOM kill or
+/// a node's runtime timeout would, with no destructor and no cleanup. Unset (always, outside
+/// those tests) it costs one comparison against a value read once. It grants nothing: whoever
+/// can set a root process's environment can already kill it.
+pub fn failpoint(name: &str) {
+    static POINT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let armed = POINT.get_or_init(|| std::env::var(FAILPOINT_ENV).ok().filter(|v| !v.is_empty()));
+    if armed.as_deref() == Some(name) {
+        eprintln!("sidestep: failpoint {name}: SIGKILL");
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}

@@ -1,4 +1,10 @@
-//! ADD: decide, enrol, record; undo the enrolment when the record cannot be written.
+//! ADD: decide, record the intent, enrol, record; undo the enrolment when the record cannot be
+//! written.
+//!
+//! Every step is safe to be killed after: the pending record written before the first map
+//! write names the netns cookie, so DEL (even with the netns gone), GC and the agent's
+//! reconcile undo a half-done ADD, and a repeated ADD finishes it (enrolment is idempotent).
+//! The `add:*` failpoints ([`sidestep::sys::failpoint`]) sit between the steps.
 
 use std::collections::BTreeSet;
 
@@ -8,11 +14,13 @@ use super::{
     Ctx, Resolved, Uncaptured, args_label, others_sharing, pod_label, require_loaded, resolve,
     uncaptured,
 };
+use sidestep::sys::failpoint;
+
 use crate::{
     config::Mesh,
     dataplane::netns_error,
     spec::{CniError, code, error::ToCniError, result::empty_result},
-    state::{AttachmentRecord, RECORD_FORMAT, now_unix},
+    state::{AttachmentRecord, RECORD_FORMAT, StateDir, now_unix},
 };
 
 fn mesh_name(m: Mesh) -> &'static str {
@@ -32,7 +40,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let (cid, ifname) = ctx.env.attachment();
     let netns = ctx.env.netns.as_deref().unwrap_or_else(|| "".as_ref());
     // A bad netns is an error whatever the decision: the host's is never a pod's.
-    ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
+    let cookie = ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
 
     let (enrolment, identity, api_ips) = match resolve(ctx) {
         Ok(Resolved::Skip(reason)) => {
@@ -72,26 +80,21 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     if let Err(e) = require_loaded(ctx) {
         return fail(e);
     }
-    let previous = ctx.state.read_record(cid, ifname).ok().flatten();
-    let enrolled = match ctx.dp.enroll(netns, &policy, ifname) {
-        Ok(e) => e,
+    let previous = match ctx.state.read_record(cid, ifname) {
+        Ok(p) => p,
         Err(e) => {
-            let err = e.to_cni();
-            // Refusals of the input are not outages; FAIL_OPEN does not cover them.
-            if matches!(err.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
-                return Err(err);
-            }
-            return fail(err);
+            tracing::warn!("{who}: {e}; ADD replaces it");
+            None
         }
     };
-    let record = AttachmentRecord {
+    let mut record = AttachmentRecord {
         format: RECORD_FORMAT,
         network: ctx.cfg.name.clone(),
         container_id: cid.into(),
         ifname: ifname.into(),
         netns: netns.to_path_buf(),
-        netns_cookie: enrolled.netns_cookie,
-        interfaces: enrolled.interfaces.clone(),
+        netns_cookie: cookie,
+        interfaces: Vec::new(),
         // podman passes K8S_POD_NAME alone; it still tells the operator which pod this is.
         pod_name: identity
             .as_ref()
@@ -102,7 +105,28 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         policy,
         pin_root: ctx.dp.pin_root().to_path_buf(),
         created_unix: now_unix(),
+        pending: false,
+        writer_pid: None,
     };
+    if let Err(e) = ctx.state.write_pending(&record) {
+        return fail(e.to_cni());
+    }
+    failpoint("add:after-pending");
+    let enrolled = match ctx.dp.enroll(netns, &record.policy, ifname) {
+        Ok(e) => e,
+        Err(e) => {
+            restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
+            let err = e.to_cni();
+            // Refusals of the input are not outages; FAIL_OPEN does not cover them.
+            if matches!(err.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
+                return Err(err);
+            }
+            return fail(err);
+        }
+    };
+    failpoint("add:after-enroll");
+    record.netns_cookie = enrolled.netns_cookie;
+    record.interfaces = enrolled.interfaces.clone();
     if let Err(e) = ctx.state.write_record(&record) {
         // Keep an enrolment an earlier ADD of this attachment recorded; undo only ours.
         let ours = previous
@@ -120,8 +144,10 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         {
             tracing::error!("{who}: rolling back the enrolment failed: {u}");
         }
+        restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
         return fail(e.to_cni());
     }
+    failpoint("add:after-record");
     if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie)
         && others_sharing(&ctx.state, p.netns_cookie, cid, ifname, &BTreeSet::new()) == 0
     {
@@ -137,4 +163,22 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         enrolled.interfaces.join(",")
     );
     Ok(output)
+}
+
+/// Puts back the record an earlier ADD of this attachment wrote, or removes the pending one,
+/// after a failed ADD undid its enrolment.
+fn restore(
+    state: &StateDir,
+    previous: Option<&AttachmentRecord>,
+    cid: &str,
+    ifname: &str,
+    who: &str,
+) {
+    let result = match previous {
+        Some(p) => state.write_record(p),
+        None => state.remove_record(cid, ifname).map(drop),
+    };
+    if let Err(e) = result {
+        tracing::error!("{who}: restoring the state record after a failed ADD: {e}");
+    }
 }

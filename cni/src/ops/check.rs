@@ -34,6 +34,12 @@ pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
             Err(Err(e)) => Err(e),
         };
     };
+    if record.pending {
+        return Err(failed(format!(
+            "the ADD of {cid}/{ifname} did not finish: its record in {} is still pending",
+            ctx.state.root().display()
+        )));
+    }
     require_loaded(ctx)?;
     if record.netns_cookie != cookie {
         return Err(failed(format!(

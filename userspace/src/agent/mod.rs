@@ -28,7 +28,10 @@ mod watch;
 
 use std::{
     os::fd::AsFd as _,
-    sync::{Arc, Mutex, atomic::Ordering},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use anyhow::Context as _;
@@ -64,6 +67,11 @@ pub struct Agent {
     report: Mutex<Report>,
     network: Mutex<Option<Network>>,
 }
+    /// How the programs were loaded, for reloading them when their pins vanish.
+    load: LoadOptions,
+    /// Set when the data path was created empty (a fresh load or a reload): the next reconcile
+    /// enrols every recorded pod again.
+    reenrol: AtomicBool,
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -127,12 +135,14 @@ impl Agent {
                 std::fs::read(p).with_context(|| format!("setting bpf-object: {}", p.display()))
             })
             .transpose()?;
-        let outcome = loader::load(&LoadOptions {
+        let load = LoadOptions {
             cgroup: cgroup.clone(),
             pin_root: settings.pin_root.clone(),
             pod_capacity: settings.pod_capacity,
             object,
-        })?;
+        };
+        let outcome = loader::load(&load)?;
+        sys::failpoint("agent:after-load");
         tracing::info!(
             outcome = match outcome {
                 LoadOutcome::Fresh => "loaded",
@@ -171,8 +181,13 @@ impl Agent {
             report: Mutex::new(Report::default()),
             network: Mutex::new(None),
         };
+            load,
+            // Records that outlived their pins (a reboot keeps /var/lib, not bpffs) name pods
+            // whose netns may still run.
+            reenrol: AtomicBool::new(outcome == LoadOutcome::Fresh),
         agent.install_binary()?;
         agent.refresh_kubeconfig()?;
+        sys::failpoint("agent:after-install");
         Ok(agent)
     }
 
@@ -254,11 +269,19 @@ impl Agent {
         let layout = PinLayout::new(&s.pin_root);
         let mut missing = Vec::new();
         if !layout.is_loaded() {
+        let lost = loader::missing_pins(&layout);
             missing.push(format!(
                 "programs are not loaded at {}",
                 s.pin_root.display()
             ));
         } else {
+        } else if !lost.is_empty() {
+            missing.push(format!(
+                "{} pins are missing under {} (first: {}); the next reconcile reloads them",
+                lost.len(),
+                s.pin_root.display(),
+                lost[0].display()
+            ));
             for p in CGROUP_PROGRAMS {
                 let ok = sys::obj_get(&layout.cgroup_link(p.attach_point))
                     .and_then(|fd| sys::link_info(fd.as_fd()))
@@ -290,13 +313,18 @@ impl Agent {
             ));
         }
         let report = lock(&self.report);
-        let tail = format!(
+        let mut tail = format!(
             "pods: {} enrolled, {} not enrolled, {} repaired at the last reconcile\n",
             report.enrolled,
             report.unenrolled.len(),
             report.repaired.len()
         );
         if missing.is_empty() {
+        if let Some(why) = &report.reloaded {
+            tail.push_str(&format!(
+                "data path reloaded at the last reconcile: {why}\n"
+            ));
+        }
             (true, format!("ready\n{tail}"))
         } else {
             (false, format!("not ready: {}\n{tail}", missing.join("; ")))
@@ -316,6 +344,31 @@ impl Agent {
     }
 
     /// The network (name, cniVersion) the entry was last put into.
+    /// Reloads the programs when pins are missing (bpffs unmounted, pins deleted behind our
+    /// back), and marks every recorded pod for enrolment at once: the maps may be new and empty.
+    /// Returns what was missing when it reloaded.
+    fn ensure_data_path(&self) -> Result<Option<String>, String> {
+        let layout = PinLayout::new(&self.settings.pin_root);
+        let lost = loader::missing_pins(&layout);
+        if lost.is_empty() {
+            return Ok(None);
+        }
+        let why = format!(
+            "{} pins were missing under {} (first: {}): bpffs unmounted or pins deleted",
+            lost.len(),
+            layout.root().display(),
+            lost[0].display()
+        );
+        tracing::error!(reason = %why, "the data path lost its pins; reloading");
+        let outcome =
+            loader::reload(&self.load).map_err(|e| format!("{why}; reload failed: {e}"))?;
+        tracing::info!(
+            ?outcome,
+            "reloaded the programs; enrolling recorded pods again"
+        );
+        Ok(Some(why))
+    }
+
     pub fn network(&self) -> Option<Network> {
         lock(&self.network).clone()
     }
@@ -326,7 +379,19 @@ impl Agent {
         if let Err(e) = self.install_binary() {
             tracing::warn!(error = %format!("{e:#}"), "reinstalling the CNI plugin");
         }
-        let report = reconcile::reconcile(&self.settings, &self.entry, network.as_ref());
+        let reloaded = self.ensure_data_path();
+        let reenrol =
+            self.reenrol.swap(false, Ordering::Relaxed) || matches!(reloaded, Ok(Some(_)));
+        let mut report =
+            reconcile::reconcile(&self.settings, &self.entry, network.as_ref(), reenrol);
+        match reloaded {
+            Ok(None) => {}
+            Ok(Some(why)) => {
+                report.errors.push(format!("data path reloaded: {why}"));
+                report.reloaded = Some(why);
+            }
+            Err(e) => report.errors.push(e),
+        }
         let c = &self.counters;
         c.reconciles.fetch_add(1, Ordering::Relaxed);
         c.gc_collected

@@ -12,6 +12,15 @@
 //!   plugin's ADD for it, exactly as the runtime would, with the netns's own addresses as
 //!   prevResult and `repair-policy` as the plugin's `policy`. The plugin writes the record, so
 //!   DEL and GC treat the pod like any other.
+//! - **Half-done ADDs.** A pending record (the plugin writes one before its first map write)
+//!   whose plugin process is gone, or that is older than [`PENDING_TIMEOUT`], is an ADD that was
+//!   killed: the runtime saw it fail, so its enrolment is undone and the record removed; the
+//!   runtime's retry enrols the pod again.
+//! - **After a reload** (pins deleted or bpffs unmounted behind the agent, or a first load over
+//!   records that outlived their pins) every pod with a record and a live netns is enrolled
+//!   again from its record, with the recorded policy and interfaces.
+//! - **Damaged records** are reported by path (log, `reconcile_errors`); DEL still finds their
+//!   pod through the netns or the record's text. Pods enrolled with no record are reported.
 
 use std::{
     collections::BTreeSet,
@@ -21,6 +30,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{
@@ -48,6 +58,8 @@ pub enum ReconcileError {
 /// What one reconcile found and did.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
+    /// Why the data path was reloaded in this reconcile, if it was.
+    pub reloaded: Option<String>,
     pub live: usize,
     pub enrolled: usize,
     pub records: usize,
@@ -55,6 +67,8 @@ pub struct Report {
     pub collected: Vec<Record>,
     pub unenrolled: Vec<LiveNetns>,
     pub repaired: Vec<LiveNetns>,
+    /// Netns whose pod the plugin's ADD leaves uncaptured (repair in a cluster), with its reason.
+    pub skipped: Vec<(LiveNetns, String)>,
     pub errors: Vec<String>,
 }
 
@@ -62,12 +76,13 @@ pub struct Report {
 /// still loaded (its tc links may outlive them).
 pub fn unenroll(pin_root: &Path, cookie: u64) -> Result<bool, ReconcileError> {
     let err = |source| ReconcileError::Unenroll { cookie, source };
-    let enrolled = match PolicyMaps::open(pin_root) {
-        Ok(maps) => maps.pods.get(&cookie, 0).is_ok(),
+    let loaded = match PolicyMaps::open(pin_root) {
+        // Also without a pod entry: an unenrolment killed after removing it left the rules.
+        Ok(_) => true,
         Err(MapsError::NotLoaded(_)) => false,
         Err(e) => return Err(err(e.into())),
     };
-    if enrolled {
+    if loaded {
         return enroll::unenroll_by_cookie(pin_root, cookie).map_err(err);
     }
     tc::detach_inbound(&PinLayout::new(pin_root), cookie).map_err(|e| err(e.into()))?;
@@ -84,7 +99,145 @@ pub fn enrolled_cookies(pin_root: &Path) -> BTreeSet<u64> {
 /// The network the plugin runs in: (name, cniVersion) for the repair's config.
 pub type Network = (String, String);
 
-pub fn reconcile(s: &Settings, entry: &Value, network: Option<&Network>) -> Report {
+/// A pending record older than this is a dead ADD even if a process with its writer's PID runs
+/// (PIDs are reused; no ADD takes this long between its first map write and its record).
+pub const PENDING_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a record says about its enrolment beyond [`Record`]: enough to undo a half-done ADD and
+/// to enrol the pod again after a reload.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Enrolment {
+    ifname: String,
+    policy: crate::policy::Policy,
+    #[serde(default)]
+    pending: bool,
+    #[serde(default)]
+    writer_pid: Option<u32>,
+    #[serde(default)]
+    created_unix: u64,
+}
+
+fn enrolment(path: &Path) -> Option<Enrolment> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Record-named entries of the state directory that are no readable record: a directory, an
+/// empty or truncated file, garbage, an unknown format.
+fn damaged_records(state_dir: &Path) -> Vec<(std::path::PathBuf, String)> {
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name.starts_with('.') || path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let why = match std::fs::read(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => e.to_string(),
+            Ok(b) if b.is_empty() => "empty file".into(),
+            Ok(b) => match serde_json::from_slice::<Value>(&b) {
+                Err(e) => e.to_string(),
+                Ok(v) if v.get("format").and_then(Value::as_u64) != Some(1) => {
+                    format!("unknown record format {}", v["format"])
+                }
+                Ok(v) => match serde_json::from_value::<Record>(v) {
+                    Ok(_) => continue,
+                    Err(e) => e.to_string(),
+                },
+            },
+        };
+        out.push((path, why));
+    }
+    out.sort();
+    out
+}
+
+/// Undoes a pending record's enrolment when its ADD is dead. Returns whether it did.
+fn undo_dead_add(
+    s: &Settings,
+    path: &Path,
+    record: &Record,
+    records: &std::collections::BTreeMap<std::path::PathBuf, Record>,
+) -> Result<bool, ReconcileError> {
+    let Some(e) = enrolment(path).filter(|e| e.pending) else {
+        return Ok(false);
+    };
+    let old = now_unix().saturating_sub(e.created_unix) >= PENDING_TIMEOUT.as_secs();
+    let writer_gone = e
+        .writer_pid
+        .is_some_and(|pid| !s.proc_dir.join(pid.to_string()).exists());
+    if !old && !writer_gone {
+        return Ok(false);
+    }
+    let shared = records
+        .iter()
+        .any(|(p, r)| p != path && r.netns_cookie == record.netns_cookie);
+    if !shared {
+        unenroll(&s.pin_root, record.netns_cookie)?;
+    }
+    // A retried ADD may have rewritten the record meanwhile; only the dead one goes.
+    if enrolment(path).is_some_and(|now| now.pending && now.created_unix == e.created_unix) {
+        std::fs::remove_file(path).map_err(|source| ReconcileError::RemoveRecord {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    }
+    tracing::warn!(
+        pod = %pod_label(record),
+        record = %path.display(),
+        netns_cookie = record.netns_cookie,
+        writer_pid = e.writer_pid,
+        "undid a half-done ADD (its plugin died before finishing); the runtime's retry enrols the pod"
+    );
+    Ok(true)
+}
+
+/// Enrols a recorded pod again, as its ADD did, after the data path was reloaded.
+fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, ReconcileError> {
+    let Some(e) = enrolment(path).filter(|e| !e.pending) else {
+        return Ok(false);
+    };
+    let netns = pods::agent_view(&record.netns, &s.proc_dir);
+    if pods::fate(&netns, record.netns_cookie) != pods::Fate::Alive {
+        return Ok(false);
+    }
+    let done = enroll::enroll(
+        &s.pin_root,
+        &netns,
+        &e.policy,
+        Some(std::slice::from_ref(&e.ifname)),
+    )
+    .map_err(|err| ReconcileError::Repair {
+        netns: netns.display().to_string(),
+        reason: format!("enrolling again from {}: {err}", path.display()),
+    })?;
+    tracing::info!(
+        pod = %pod_label(record),
+        netns = %netns.display(),
+        netns_cookie = done.netns_cookie,
+        interfaces = %done.interfaces.join(","),
+        "enrolled again from its record after the reload"
+    );
+    Ok(true)
+}
+
+/// `reenrol`: the data path was (re)created empty since the last reconcile, so every recorded
+/// pod is enrolled again.
+pub fn reconcile(
+    s: &Settings,
+    entry: &Value,
+    network: Option<&Network>,
+    reenrol_all: bool,
+) -> Report {
     let scan = pods::Scan {
         netns_dirs: &s.netns_dirs,
         prefix: &s.netns_prefix,
@@ -143,23 +296,57 @@ pub fn reconcile(s: &Settings, entry: &Value, network: Option<&Network>) -> Repo
             Err(e) => report.errors.push(e.to_string()),
         }
     }
-    report.records = records.len() - report.collected.len();
+    let collected: BTreeSet<std::path::PathBuf> =
+        report.collected.iter().map(|r| r.netns.clone()).collect();
+    for (path, record) in &records {
+        if record.pin_root.as_deref().is_some_and(|p| p != s.pin_root)
+            || collected.contains(&record.netns)
+        {
+            continue;
+        }
+        match undo_dead_add(s, path, record, &records) {
+            Ok(true) => {
+                report.collected.push(record.clone());
+                continue;
+            }
+            Ok(false) => {}
+            Err(e) => report.errors.push(e.to_string()),
+        }
+        if reenrol_all {
+            match reenrol(s, path, record) {
+                Ok(true) => report.repaired.push(LiveNetns {
+                    path: record.netns.clone(),
+                    cookie: record.netns_cookie,
+                    processes: 0,
+                }),
+                Ok(false) => {}
+                Err(e) => report.errors.push(e.to_string()),
+            }
+        }
+    }
+    for (path, why) in damaged_records(&s.state_dir) {
+        report.errors.push(format!(
+            "state record {} is damaged ({why}); DEL of its attachment still works (through the \
+             netns, or the cookie in its text); remove the file once the pod is gone",
+            path.display()
+        ));
+    }
+    report.records = records.len().saturating_sub(report.collected.len());
     let enrolled = enrolled_cookies(&s.pin_root);
+    let recorded: BTreeSet<u64> = records.values().map(|r| r.netns_cookie).collect();
+    for cookie in enrolled.iter().filter(|c| !recorded.contains(c)) {
+        tracing::warn!(
+            netns_cookie = cookie,
+            "enrolled, but no state record names it (lost or damaged record, or `sidestep enroll` by hand)"
+        );
+    }
     report.enrolled = enrolled.len();
     report.unenrolled = live
         .into_iter()
         .filter(|l| !enrolled.contains(&l.cookie))
         .collect();
     if s.repair {
-        for l in std::mem::take(&mut report.unenrolled) {
-            match repair(s, entry, network, &l) {
-                Ok(()) => report.repaired.push(l),
-                Err(e) => {
-                    report.errors.push(e.to_string());
-                    report.unenrolled.push(l);
-                }
-            }
-        }
+        super::repair::repair_all(s, entry, network, &mut report);
     }
     for l in &report.unenrolled {
         tracing::warn!(
@@ -215,7 +402,8 @@ pub fn repair_config(
     conf
 }
 
-fn repair(
+/// Repair outside a cluster: ADD with `repair-policy` (see [`super::repair`] for the API path).
+pub fn repair(
     s: &Settings,
     entry: &Value,
     network: Option<&Network>,
@@ -250,6 +438,20 @@ pub fn run_plugin(
     ifname: &str,
     conf: &Value,
 ) -> Result<String, String> {
+    let args = "IgnoreUnknown=1";
+    run_plugin_with_args(s, command, container_id, netns, ifname, args, conf).map(|(out, _)| out)
+}
+
+/// [`run_plugin`] with CNI_ARGS; returns stdout and stderr (the plugin's log).
+pub fn run_plugin_with_args(
+    s: &Settings,
+    command: &str,
+    container_id: &str,
+    netns: &Path,
+    ifname: &str,
+    cni_args: &str,
+    conf: &Value,
+) -> Result<(String, String), String> {
     let bin = s.installed_binary();
     let mut child = Command::new(&bin)
         .env_clear()
@@ -258,7 +460,7 @@ pub fn run_plugin(
         .env("CNI_CONTAINERID", container_id)
         .env("CNI_NETNS", netns)
         .env("CNI_IFNAME", ifname)
-        .env("CNI_ARGS", "IgnoreUnknown=1")
+        .env("CNI_ARGS", cni_args)
         .env("CNI_PATH", &s.cni_bin_dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -284,16 +486,17 @@ pub fn run_plugin(
         .wait_with_output()
         .map_err(|e| format!("waiting for {}: {e}", bin.display()))?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     if !out.status.success() {
         return Err(format!(
             "{} {command} failed ({}): {} {}",
             bin.display(),
             out.status,
             stdout.trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
+            stderr.trim()
         ));
     }
-    Ok(stdout)
+    Ok((stdout, stderr))
 }
 
 #[cfg(test)]

@@ -1,0 +1,536 @@
+//! Faults of the CNI plugin and its state directory, with the real plugin binary on real pods
+//! (netns made by the bridge + host-local plugins) and the programs loaded into the test's
+//! cgroup and pin root. Needs root.
+//!
+//! - The plugin is SIGKILLed at each named step of ADD and DEL (`SIDESTEP_FAILPOINT`, see
+//!   `sidestep::sys::failpoint`). After each kill the runtime's retry (ADD again, or DEL) must
+//!   leave the pod exactly as a clean ADD does (captured) or exactly as before it (released):
+//!   the same map entries, pinned links, kernel links and state files.
+//! - Damaged records (truncated, garbage, empty, unknown format, a directory in their place):
+//!   DEL exits 0, names the file, and still removes the pod from the kernel; ADD replaces them.
+//! - An upgrade moves each pod's tc and sk_lookup links to the new programs, and a pinned map
+//!   whose layout changed stops the load with an error naming it, before anything changes.
+
+use std::{
+    collections::BTreeMap,
+    os::unix::process::ExitStatusExt as _,
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+use sidestep_tests::{
+    Node, NodeOptions, Pod, PodOptions, TestEnv, cni,
+    sidestep::{Loaded, bin_dir, sidestep},
+    skip_unless_root,
+};
+
+const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
+
+/// Maps with one or more entries per enrolled pod.
+const POD_MAPS: [&str; 6] = [
+    "SIDESTEP_POD",
+    "SIDESTEP_ADDRS",
+    "SIDESTEP_PORTS",
+    "SIDESTEP_CIDRS",
+    "SIDESTEP_STATS",
+    "SIDESTEP_IFACES",
+];
+
+const ADD_POINTS: [&str; 7] = [
+    "state:before-rename",
+    "add:after-pending",
+    "enroll:before-pod-entry",
+    "enroll:after-maps",
+    "enroll:after-links",
+    "add:after-enroll",
+    "add:after-record",
+];
+
+const DEL_POINTS: [&str; 3] = [
+    "del:before-unenroll",
+    "unenroll:after-pod-entry",
+    "del:after-unenroll",
+];
+
+fn bpftool(args: &[&str]) -> Result<Value> {
+    let out = Command::new("bpftool")
+        .args(args)
+        .arg("--json")
+        .output()
+        .context("running bpftool")?;
+    ensure!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).with_context(|| format!("bpftool {args:?} output"))
+}
+
+/// Everything a pod's enrolment consists of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Snapshot {
+    maps: BTreeMap<&'static str, usize>,
+    /// Pins under links/tc and links/sklookup.
+    pod_link_pins: Vec<String>,
+    /// Kernel links running one of this pin root's programs.
+    links: usize,
+    /// Files in the state directory (hidden ones too), the plugin's timing log aside.
+    files: Vec<String>,
+    pending: bool,
+}
+
+fn tree(dir: &Path, base: &Path, out: &mut Vec<String>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            tree(&p, base, out);
+        } else {
+            out.push(p.strip_prefix(base).unwrap_or(&p).display().to_string());
+        }
+    }
+}
+
+/// The test's plugin invocations: the real binary, run as a runtime would, plus a failpoint.
+struct Plugin {
+    pin_root: PathBuf,
+    state: PathBuf,
+    network: String,
+}
+
+impl Plugin {
+    fn new(env: &TestEnv, loaded: &Loaded) -> Self {
+        Self {
+            pin_root: loaded.pin_root().to_path_buf(),
+            state: env.tmp_dir().join("cni-state"),
+            network: format!("faults-{}", env.id()),
+        }
+    }
+
+    fn run(&self, command: &str, pod: &Pod, failpoint: Option<&str>) -> Result<Output> {
+        let entry = json!({
+            "type": "sidestep",
+            "pin_root": self.pin_root,
+            "state_dir": self.state,
+            "capabilities": {"io.kubernetes.cri.pod-annotations": true},
+        });
+        let rc = json!({"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}});
+        let conf = cni::plugin_conf(&self.network, &entry, Some(&pod.cni_result), Some(&rc));
+        let mut cmd = Command::new(bin_dir().join("sidestep-cni"));
+        cmd.env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", &pod.container_id)
+            .env("CNI_NETNS", &pod.netns_path)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_ARGS", &pod.cni_args)
+            .env("CNI_PATH", "/usr/lib/cni")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(f) = failpoint {
+            cmd.env("SIDESTEP_FAILPOINT", f);
+        }
+        let mut child = cmd.spawn().context("spawning sidestep-cni")?;
+        std::io::Write::write_all(
+            &mut child.stdin.take().context("stdin")?,
+            &serde_json::to_vec(&conf)?,
+        )?;
+        Ok(child.wait_with_output()?)
+    }
+
+    /// Runs and requires success.
+    fn ok(&self, command: &str, pod: &Pod) -> Result<Output> {
+        let out = self.run(command, pod, None)?;
+        ensure!(
+            out.status.success(),
+            "{command} failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(out)
+    }
+
+    /// Runs with `failpoint` armed and requires the plugin to have died by SIGKILL there.
+    fn killed(&self, command: &str, pod: &Pod, failpoint: &str) -> Result<()> {
+        let out = self.run(command, pod, Some(failpoint))?;
+        ensure!(
+            out.status.signal() == Some(libc::SIGKILL),
+            "{command} with failpoint {failpoint} was not killed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    fn record_path(&self, pod: &Pod) -> PathBuf {
+        self.state.join(format!("{}@eth0.json", pod.container_id))
+    }
+
+    fn snapshot(&self) -> Result<Snapshot> {
+        let mut maps = BTreeMap::new();
+        for m in POD_MAPS {
+            let path = self.pin_root.join("maps").join(m).display().to_string();
+            let n = bpftool(&["map", "dump", "pinned", &path])?
+                .as_array()
+                .map_or(0, Vec::len);
+            maps.insert(m, n);
+        }
+        let mut pod_link_pins = Vec::new();
+        let links_dir = self.pin_root.join("links");
+        for d in ["tc", "sklookup"] {
+            tree(&links_dir.join(d), &links_dir, &mut pod_link_pins);
+        }
+        pod_link_pins.sort();
+        let root = format!("{}/", self.pin_root.display());
+        let own: Vec<u64> = bpftool(&["prog", "show", "-f"])?
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| {
+                p["pinned"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|x| x.as_str().is_some_and(|x| x.starts_with(&root)))
+            })
+            .filter_map(|p| p["id"].as_u64())
+            .collect();
+        let links = bpftool(&["link", "show"])?
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| l["prog_id"].as_u64().is_some_and(|id| own.contains(&id)))
+            .count();
+        let mut files = Vec::new();
+        tree(&self.state, &self.state, &mut files);
+        files.retain(|f| !f.starts_with("timings"));
+        files.sort();
+        let pending = std::fs::read(self.state.join(files.first().cloned().unwrap_or_default()))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .is_some_and(|v| v["pending"] == true);
+        Ok(Snapshot {
+            maps,
+            pod_link_pins,
+            links,
+            files,
+            pending,
+        })
+    }
+
+    /// Waits (links and map entries go after an RCU grace period) for `want`.
+    fn expect(&self, what: &str, want: &Snapshot) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = self.snapshot()?;
+            if now == *want {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("{what}:\n want {want:?}\n have {now:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+fn pod_options() -> PodOptions {
+    PodOptions {
+        namespace: "shop".into(),
+        ..Default::default()
+    }
+}
+
+struct Setup {
+    // Drop order: node (CNI DEL of the bridge, netns), the programs, then the env.
+    node: Node,
+    plugin: Plugin,
+    loaded: Loaded,
+    env: TestEnv,
+}
+
+fn setup(name: &str) -> Result<Setup> {
+    let env = TestEnv::new(name)?;
+    let loaded = Loaded::load(&env)?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let plugin = Plugin::new(&env, &loaded);
+    Ok(Setup {
+        node,
+        plugin,
+        loaded,
+        env,
+    })
+}
+
+#[test]
+fn plugin_killed_at_each_step_of_add_and_del_converges() -> Result<()> {
+    if skip_unless_root("plugin_killed_at_each_step_of_add_and_del_converges") {
+        return Ok(());
+    }
+    let s = setup("faults-steps")?;
+    let pod = s.node.add_pod_with("app", pod_options())?;
+    let released = s.plugin.snapshot()?;
+    s.plugin.ok("ADD", &pod)?;
+    let captured = s.plugin.snapshot()?;
+    ensure!(
+        captured.maps["SIDESTEP_POD"] == released.maps["SIDESTEP_POD"] + 1
+            && captured.pod_link_pins.len() > released.pod_link_pins.len()
+            && captured.files.len() == 1
+            && !captured.pending,
+        "a clean ADD did not enrol the pod: {captured:?}"
+    );
+    let status = s.loaded.status()?;
+    let cookie = pod.netns_cookie()?;
+    ensure!(
+        status["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["netns_cookie"] == cookie && p["interfaces"] == json!(["eth0"])),
+        "status does not show the pod with inbound on eth0: {status}"
+    );
+    s.plugin.ok("DEL", &s.node.pods()[0])?;
+    s.plugin.expect("a clean DEL", &released)?;
+
+    for point in ADD_POINTS {
+        s.plugin.killed("ADD", &pod, point)?;
+        let after_kill = s.plugin.snapshot()?;
+        if point != "state:before-rename" {
+            // From the first map write on, a record names the cookie.
+            ensure!(
+                after_kill.files.iter().any(|f| !f.starts_with('.')),
+                "ADD killed at {point} left no record: {after_kill:?}"
+            );
+        }
+        eprintln!("ADD killed at {point}: {after_kill:?}");
+        // The runtime gives up on the pod: DEL.
+        s.plugin.ok("DEL", &pod)?;
+        s.plugin
+            .expect(&format!("DEL after an ADD killed at {point}"), &released)?;
+        // The runtime retries: ADD again, later DEL.
+        s.plugin.killed("ADD", &pod, point)?;
+        s.plugin.ok("ADD", &pod)?;
+        s.plugin
+            .expect(&format!("ADD retried after a kill at {point}"), &captured)?;
+        s.plugin.ok("DEL", &pod)?;
+        s.plugin
+            .expect(&format!("DEL after the retried ADD ({point})"), &released)?;
+    }
+    for point in DEL_POINTS {
+        s.plugin.ok("ADD", &pod)?;
+        s.plugin.killed("DEL", &pod, point)?;
+        eprintln!("DEL killed at {point}: {:?}", s.plugin.snapshot()?);
+        s.plugin.ok("DEL", &pod)?;
+        s.plugin
+            .expect(&format!("DEL retried after a kill at {point}"), &released)?;
+    }
+
+    // The netns gone before the DEL that follows a killed ADD: only the pending record knows
+    // the cookie.
+    let gone = s.node.add_pod_with("gone", pod_options())?;
+    s.plugin.killed("ADD", &gone, "enroll:after-links")?;
+    s.node.remove_pod(&gone)?;
+    s.plugin.ok("DEL", &gone)?;
+    s.plugin
+        .expect("DEL with the netns gone, after a killed ADD", &released)?;
+    Ok(())
+}
+
+/// Damages the record of `pod` in one of the ways a disk or a person does.
+fn damage(path: &Path, how: &str) -> Result<()> {
+    let full = std::fs::read_to_string(path)?;
+    match how {
+        "truncated" => {
+            let at = full
+                .find("\"netnsCookie\"")
+                .context("no cookie in the record")?;
+            let cut = at + full[at..].find(',').context("cookie line")? + 1;
+            std::fs::write(path, &full[..cut])?;
+        }
+        "garbage" => std::fs::write(path, b"\x00\x17not json at all\xff")?,
+        "empty" => std::fs::write(path, b"")?,
+        "unknown-format" => {
+            let mut v: Value = serde_json::from_str(&full)?;
+            v["format"] = json!(99);
+            std::fs::write(path, v.to_string())?;
+        }
+        "directory" => {
+            std::fs::remove_file(path)?;
+            std::fs::create_dir(path)?;
+            std::fs::write(path.join("stray"), "x")?;
+        }
+        other => bail!("unknown damage {other}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn damaged_records_are_reported_and_del_still_releases_the_pod() -> Result<()> {
+    if skip_unless_root("damaged_records_are_reported_and_del_still_releases_the_pod") {
+        return Ok(());
+    }
+    let s = setup("faults-state")?;
+    let pod = s.node.add_pod_with("app", pod_options())?;
+    let released = s.plugin.snapshot()?;
+    s.plugin.ok("ADD", &pod)?;
+    let captured = s.plugin.snapshot()?;
+    s.plugin.ok("DEL", &pod)?;
+    let record = s.plugin.record_path(&pod);
+    let strip_aside = |p: &Plugin| -> Result<Vec<String>> {
+        let mut aside = Vec::new();
+        for e in std::fs::read_dir(&p.state)?.flatten() {
+            if e.file_name().to_string_lossy().contains(".corrupt-") {
+                aside.push(e.file_name().to_string_lossy().into_owned());
+                std::fs::remove_dir_all(e.path())?;
+            }
+        }
+        Ok(aside)
+    };
+    for how in [
+        "truncated",
+        "garbage",
+        "empty",
+        "unknown-format",
+        "directory",
+    ] {
+        // ADD over a damaged record replaces it.
+        s.plugin.ok("ADD", &pod)?;
+        damage(&record, how)?;
+        s.plugin.ok("ADD", &pod)?;
+        let aside = strip_aside(&s.plugin)?;
+        ensure!(
+            (how == "directory") != aside.is_empty(),
+            "{how}: moved aside {aside:?}"
+        );
+        s.plugin
+            .expect(&format!("ADD over a {how} record"), &captured)?;
+        // DEL with a damaged record: exit 0, the file named, the pod gone from the kernel.
+        damage(&record, how)?;
+        let out = s.plugin.ok("DEL", &pod)?;
+        let log = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            log.contains(&record.display().to_string()),
+            "{how}: DEL's log does not name {}: {log}",
+            record.display()
+        );
+        strip_aside(&s.plugin)?;
+        s.plugin
+            .expect(&format!("DEL with a {how} record"), &released)?;
+    }
+    // A truncated record and no netns: the cookie comes from the record's text.
+    let gone = s.node.add_pod_with("gone", pod_options())?;
+    s.plugin.ok("ADD", &gone)?;
+    damage(&s.plugin.record_path(&gone), "truncated")?;
+    s.node.remove_pod(&gone)?;
+    let out = s.plugin.ok("DEL", &gone)?;
+    ensure!(
+        String::from_utf8_lossy(&out.stderr).contains("read from the damaged record"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    s.plugin
+        .expect("DEL of a truncated record, netns gone", &released)?;
+    Ok(())
+}
+
+fn pinned_id(kind: &str, path: &Path) -> Result<u64> {
+    let v = bpftool(&[kind, "show", "pinned", &path.display().to_string()])?;
+    v["id"]
+        .as_u64()
+        .with_context(|| format!("{kind} {path:?}: {v}"))
+}
+
+fn link_prog(path: &Path) -> Result<u64> {
+    let v = bpftool(&["link", "show", "pinned", &path.display().to_string()])?;
+    v["prog_id"]
+        .as_u64()
+        .with_context(|| format!("link {path:?}: {v}"))
+}
+
+#[test]
+fn upgrade_moves_pod_links_and_refuses_a_changed_map_layout() -> Result<()> {
+    if skip_unless_root("upgrade_moves_pod_links_and_refuses_a_changed_map_layout") {
+        return Ok(());
+    }
+    let s = setup("faults-upgrade")?;
+    let pod = s.node.add_pod_with("app", pod_options())?;
+    s.plugin.ok("ADD", &pod)?;
+    let cookie = pod.netns_cookie()?;
+    let root = s.loaded.pin_root();
+    let tc_link = root.join(format!("links/tc/{cookie}/eth0"));
+    let lookup_link = root.join(format!("links/sklookup/{cookie}"));
+    // Which pinned program each pod link runs, by name.
+    let progs: Vec<PathBuf> = std::fs::read_dir(root.join("progs"))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    let name_of = |link: &Path| -> Result<PathBuf> {
+        let id = link_prog(link)?;
+        for p in &progs {
+            if pinned_id("prog", p)? == id {
+                return Ok(p.clone());
+            }
+        }
+        bail!("{link:?} runs program {id}, which is not pinned under {root:?}")
+    };
+    let tc_prog = name_of(&tc_link)?;
+    let lookup_prog = name_of(&lookup_link)?;
+    let (tc_before, lookup_before) = (link_prog(&tc_link)?, link_prog(&lookup_link)?);
+    let root_arg = root.display().to_string();
+    let cgroup_arg = s.env.cgroup_path().display().to_string();
+    sidestep(&["load", "--cgroup", &cgroup_arg, "--pin-root", &root_arg])?;
+    let (tc_after, lookup_after) = (link_prog(&tc_link)?, link_prog(&lookup_link)?);
+    ensure!(
+        tc_after != tc_before && tc_after == pinned_id("prog", &tc_prog)?,
+        "the pod's tc link runs {tc_after} (before {tc_before}), not the new {tc_prog:?}"
+    );
+    ensure!(
+        lookup_after != lookup_before && lookup_after == pinned_id("prog", &lookup_prog)?,
+        "the pod's sk_lookup link runs {lookup_after} (before {lookup_before}), not the new program"
+    );
+
+    // An "old version" pinned SIDESTEP_IFACES with 8-byte values; this build's are 1 byte.
+    let map = root.join("maps/SIDESTEP_IFACES");
+    let info = bpftool(&["map", "show", "pinned", &map.display().to_string()])?;
+    let (key, value) = (
+        info["bytes_key"].as_u64().context("key size")?,
+        info["bytes_value"].as_u64().context("value size")?,
+    );
+    let old_value = value + 7;
+    std::fs::remove_file(&map)?;
+    let out = Command::new("bpftool")
+        .args(["map", "create", &map.display().to_string(), "type", "hash"])
+        .args(["key", &key.to_string(), "value", &old_value.to_string()])
+        .args(["entries", "16", "name", "SIDESTEP_IFACES"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "bpftool map create: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let attachments = |st: &Value| st["attachments"].clone();
+    let before = s.loaded.status()?;
+    let e = sidestep(&["load", "--cgroup", &cgroup_arg, "--pin-root", &root_arg])
+        .expect_err("a load over a changed map layout must fail");
+    let msg = format!("{e:#}");
+    ensure!(
+        msg.contains(&format!(
+            "map SIDESTEP_IFACES layout changed (value {old_value} -> {value} bytes"
+        )) && msg.contains("sidestep unload"),
+        "unclear error: {msg}"
+    );
+    ensure!(
+        attachments(&s.loaded.status()?) == attachments(&before)
+            && link_prog(&tc_link)? == tc_after,
+        "the refused load changed the attachments"
+    );
+    Ok(())
+}
