@@ -1,7 +1,11 @@
 //! Per-pod inbound capture: the tc ingress program on the pod's interfaces, attached from inside
 //! the pod netns, with TCX links pinned at `<pin_root>/links/tc/<netns cookie>/<ifname>`.
 
-use std::{fs, path::PathBuf};
+use std::{
+    fs,
+    os::unix::fs::DirBuilderExt,
+    path::{Path, PathBuf},
+};
 
 use aya::programs::{SchedClassifier, TcAttachType, links::FdLink, tc};
 use sidestep_abi::program_names;
@@ -15,6 +19,12 @@ use crate::{
 
 pub fn pod_links_dir(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
     layout.links_dir().join("tc").join(netns_cookie.to_string())
+}
+
+/// Per-pod link directories are 0700 like the pin root the loader makes, so that no directory
+/// below it is open to other users even where the pin root's own mode was loosened.
+fn mkdir_private(dir: &Path) -> std::io::Result<()> {
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 /// Interfaces of the current netns (the caller's thread), loopback excluded.
@@ -36,7 +46,7 @@ pub fn attach_inbound(
     excluded: &[String],
 ) -> Result<Vec<(String, u32)>, EnrollError> {
     let dir = pod_links_dir(layout, netns_cookie);
-    fs::create_dir_all(&dir).map_err(|source| EnrollError::StateDir {
+    mkdir_private(&dir).map_err(|source| EnrollError::StateDir {
         path: dir.clone(),
         source,
     })?;
@@ -130,7 +140,7 @@ fn attach_sk_lookup(
     if pin.exists() {
         return Ok(());
     }
-    fs::create_dir_all(pin.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
+    mkdir_private(pin.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
     let mut prog = aya::programs::SkLookup::from_pin(layout.program(program_names::SK_LOOKUP))
         .map_err(|e| io(std::io::Error::other(e)))?;
     let netns_file = fs::File::open(netns.path()).map_err(io)?;
