@@ -1,15 +1,21 @@
 //! The agent's lifecycle with real pods: `sidestep uninstall` leaves nothing behind and DEL
 //! still succeeds after it; pods that started before the agent are reported, repaired in place
-//! with `--repair`, and garbage-collected once their netns is gone. Needs root.
+//! with `--repair` (found through a local API server serving real Pod JSON, and skipped exactly
+//! when their ADD would skip them), and garbage-collected once their netns is gone. Needs root.
 
 mod agent_support;
 
 use std::{collections::BTreeSet, process::Command, time::Duration};
 
-use agent_support::{APP_UID, Agent, Dirs, base_args, free_port, meshed, wait_until};
+use agent_support::{
+    APP_UID, Agent, Dirs, PodApi, api_pod, base_args, free_port, meshed, wait_until,
+};
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
 use sidestep_tests::{Node, NodeOptions, TestEnv, haproxy, http_get, nginx, skip_unless_root, url};
+
+/// The node the test's pods run on, as the API knows it.
+const NODE: &str = "node-1";
 
 fn bpftool(args: &[&str]) -> Result<Value> {
     let out = Command::new("bpftool").arg("-j").args(args).output()?;
@@ -105,26 +111,51 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
     }
     let env = TestEnv::new("agent-repair")?;
     let d = Dirs::new(&env)?;
-    // Pods made through a chain without sidestep: as if the agent was not ready yet.
+    // Pods made through a chain without sidestep: as if the agent was not ready yet. Two are
+    // meshed; `plain` was never injected and `optout` opted out by label, so their ADD would
+    // have left them alone and so must repair.
     let node = Node::new(&env, NodeOptions::ipv4_only())?;
     let client = node.add_pod("client")?;
     let server = node.add_pod("server")?;
+    let plain = node.add_pod("plain")?;
+    let optout = node.add_pod("optout")?;
+    let ips = |p: &sidestep_tests::Pod| vec![p.ipv4.to_string()];
+    let mut optout_json = api_pod(NODE, "shop", "optout", &ips(&optout), true);
+    optout_json["metadata"]["labels"]["sidecar.istio.io/inject"] = "false".into();
+    let api = PodApi::start(
+        env.tmp_dir(),
+        vec![
+            api_pod(NODE, "shop", "client", &ips(&client), true),
+            api_pod(NODE, "shop", "server", &ips(&server), true),
+            api_pod(NODE, "shop", "plain", &ips(&plain), false),
+            optout_json,
+            // Another node's pod, which the node's listing must not return.
+            api_pod("node-2", "shop", "elsewhere", &["10.99.0.1".into()], true),
+        ],
+    )?;
     let _web = nginx::Server::start(&env, &server, 80)?;
     let mut client_proxy = haproxy::Sidecar::start(&env, &client, Default::default())?;
     let server_proxy = haproxy::Sidecar::start(&env, &server, Default::default())?;
     d.write_primary("10-test.conflist")?;
     let port = free_port()?;
     let mut args = base_args(&env, &d, port);
-    args.extend(["--reconcile-interval".into(), "1s".into()]);
+    args.extend([
+        "--reconcile-interval".into(),
+        "1s".into(),
+        "--node-name".into(),
+        NODE.into(),
+        "--api-kubeconfig".into(),
+        api.kubeconfig.display().to_string(),
+    ]);
 
     // Without repair: reported, not touched.
     let mut agent = Agent::start(&env, &args, port)?;
     agent.wait_ready(Duration::from_secs(30))?;
     wait_until("the report", Duration::from_secs(10), || {
-        Ok(agent.get("/readyz")?.1.contains("2 not enrolled"))
+        Ok(agent.get("/readyz")?.1.contains("4 not enrolled"))
     })?;
-    ensure!(agent.metric("sidestep_pods_unenrolled")? == 2.0);
-    for pod in [&client, &server] {
+    ensure!(agent.metric("sidestep_pods_unenrolled")? == 4.0);
+    for pod in [&client, &server, &plain, &optout] {
         agent.wait_log(
             &pod.netns_path.display().to_string(),
             Duration::from_secs(5),
@@ -132,9 +163,12 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
     }
     ensure!(agent.log().contains("running pod netns is not enrolled"));
     ensure!(agent_support::enrolled_cookies(&env)?.is_empty());
+    ensure!(api.requests().is_empty(), "{:?}", api.requests());
     agent.child.terminate(Duration::from_secs(10))?;
 
-    // With repair: enrolled in place through the installed plugin, and captured both ways.
+    // With repair: the meshed pods are enrolled in place through the installed plugin, which
+    // read them from the API, and captured both ways; the others are skipped with the plugin's
+    // reasons.
     args.extend(["--repair".into(), "true".into()]);
     let mut agent = Agent::start(&env, &args, port)?;
     agent.wait_ready(Duration::from_secs(30))?;
@@ -144,10 +178,41 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
             .into_iter()
             .collect::<BTreeSet<_>>()
             == want)
+    })
+    .with_context(|| agent.log())?;
+    wait_until("the repair and skip counts", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_repaired_pods_total")? == 2.0
+            && agent.metric("sidestep_pods_skipped")? == 2.0
+            && agent.metric("sidestep_pods_unenrolled")? == 0.0)
+    })
+    .with_context(|| agent.log())?;
+    let log = agent.log();
+    ensure!(
+        log.contains("shop/plain: it has no istio-proxy container"),
+        "{log}"
+    );
+    ensure!(
+        log.contains("shop/optout: label sidecar.istio.io/inject=false"),
+        "{log}"
+    );
+    // Skipped pods are not asked about again on later reconciles.
+    let reconciles = agent.metric("sidestep_reconciles_total")?;
+    wait_until("two more reconciles", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_reconciles_total")? >= reconciles + 2.0)
     })?;
-    wait_until("the repair count", Duration::from_secs(5), || {
-        Ok(agent.metric("sidestep_repaired_pods_total")? == 2.0)
-    })?;
+    let seen = api.requests();
+    ensure!(
+        seen.iter()
+            .all(|r| !r.starts_with("/api/v1/pods") || r.contains("spec.nodeName%3Dnode-1")),
+        "{seen:?}"
+    );
+    for name in ["client", "server", "plain", "optout"] {
+        let n = seen
+            .iter()
+            .filter(|r| r.starts_with(&format!("/api/v1/namespaces/shop/pods/{name}")))
+            .count();
+        ensure!(n == 1, "{name} read {n} times: {seen:?}");
+    }
     let records: Vec<String> = std::fs::read_dir(&d.state)?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -157,6 +222,9 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
         records.len() == 2 && records.iter().all(|n| n.starts_with("sidestep-repair-")),
         "{records:?}"
     );
+    // The plugin recorded the pods under their API names.
+    let rec: Value = serde_json::from_slice(&std::fs::read(d.state.join(&records[0]))?)?;
+    ensure!(rec["podNamespace"] == "shop", "{rec}");
     let body = http_get(&env, &client, APP_UID, &url(server.ipv4.into(), 80, "/"))?;
     ensure!(body == nginx::body_for("server"));
     client_proxy.wait_log(

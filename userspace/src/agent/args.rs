@@ -70,6 +70,10 @@ pub struct AgentArgs {
     /// The policy (JSON, camelCase) repair enrols with [default: Istio's].
     #[arg(long, env = "SIDESTEP_REPAIR_POLICY")]
     pub repair_policy: Option<String>,
+    /// The kubeconfig repair reads the node's pods with [default: the one written for the
+    /// plugin, when in a cluster]; the repair's ADD reads the pod with it too.
+    #[arg(long, env = "SIDESTEP_API_KUBECONFIG")]
+    pub api_kubeconfig: Option<String>,
     /// Comma-separated directories of pod network namespaces [default: /run/netns].
     #[arg(long, env = "SIDESTEP_NETNS_DIRS")]
     pub netns_dirs: Option<String>,
@@ -124,6 +128,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "reconcile-interval" => a.reconcile_interval.as_ref(),
         "repair" => a.repair.as_ref(),
         "repair-policy" => a.repair_policy.as_ref(),
+        "api-kubeconfig" => a.api_kubeconfig.as_ref(),
         "netns-dirs" => a.netns_dirs.as_ref(),
         "netns-prefix" => a.netns_prefix.as_ref(),
         "scan-proc" => a.scan_proc.as_ref(),
@@ -141,7 +146,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 29] = [
+pub(super) const KEYS: [&str; 30] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -161,6 +166,7 @@ pub(super) const KEYS: [&str; 29] = [
     "reconcile-interval",
     "repair",
     "repair-policy",
+    "api-kubeconfig",
     "netns-dirs",
     "netns-prefix",
     "scan-proc",

@@ -155,6 +155,12 @@ pub fn render(
     );
     gauge(
         &mut reg,
+        "sidestep_pods_skipped",
+        "Running pods repair left uncaptured because their ADD would (not meshed, excluded)",
+        report.skipped.len() as i64,
+    );
+    gauge(
+        &mut reg,
         "sidestep_cni_failopen_pods",
         "Pods the plugin let through uncaptured (FAIL_OPEN markers)",
         pods::failopen_markers(state_dir) as i64,

@@ -20,6 +20,7 @@ pub mod install;
 pub mod metrics;
 pub mod pods;
 pub mod reconcile;
+pub mod repair;
 pub mod settings;
 pub mod template;
 pub mod timings;

@@ -75,6 +75,8 @@ pub struct Settings {
     pub reconcile_interval: Duration,
     pub repair: bool,
     pub repair_policy: Policy,
+    /// Set: repair finds each netns's pod through the API and lets the plugin decide.
+    pub api_kubeconfig: Option<PathBuf>,
     pub netns_dirs: Vec<PathBuf>,
     pub netns_prefix: String,
     pub scan_proc: bool,
@@ -390,6 +392,12 @@ impl Settings {
             )?,
             repair: r.boolean("repair", false)?,
             repair_policy,
+            api_kubeconfig: r
+                .get("api-kubeconfig")
+                .map(|(v, origin)| {
+                    absolute(v.trim()).map_err(|e| Resolver::err("api-kubeconfig", &origin, e))
+                })
+                .transpose()?,
             netns_dirs: r.parse(
                 "netns-dirs",
                 || Ok(vec![PathBuf::from("/run/netns")]),

@@ -1,0 +1,361 @@
+//! Repair: enrolling running pods that were never enrolled, in place, deciding exactly as their
+//! ADD would have.
+//!
+//! In a cluster (a kubeconfig for the API: `api-kubeconfig`, else the one the agent writes for
+//! the plugin) the agent lists the pods on its node once per reconcile, finds each unenrolled
+//! netns's pod by its addresses, and runs the installed plugin's ADD with that pod's
+//! `K8S_POD_NAMESPACE` and `K8S_POD_NAME` and the same kubeconfig. The plugin then applies its
+//! own rules (namespace exclusions, the agent's own pod, the mesh's annotations, labels and
+//! containers), reading the pod from the API, so repair skips exactly what ADD skips: the
+//! decision code is the plugin's, not a copy. A pod it skips is remembered with the plugin's
+//! reason and not asked about again while its netns lives.
+//!
+//! Outside a cluster there is no pod to ask about: every netns in scope is enrolled with
+//! `repair-policy`, as before.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    path::{Path, PathBuf},
+    sync::Mutex,
+    time::Duration,
+};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api, Client, Config,
+    api::ListParams,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use serde_json::{Value, json};
+
+use super::{
+    pods::{self, LiveNetns},
+    reconcile::{self, Network, ReconcileError},
+    settings::Settings,
+};
+
+/// Each API request of a reconcile gets this long.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a repair did with one netns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Repaired,
+    /// The plugin's ADD ran and left the pod uncaptured, for this reason.
+    Skipped(String),
+}
+
+/// A pod on this node, as the API lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePod {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+/// Pods skipped by an earlier reconcile, by netns cookie (cookies are never reused while the
+/// machine runs, so a process-wide memory is exact). Cleared for netns that are gone.
+static SKIPPED: Mutex<BTreeMap<u64, String>> = Mutex::new(BTreeMap::new());
+
+fn skipped() -> std::sync::MutexGuard<'static, BTreeMap<u64, String>> {
+    SKIPPED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The kubeconfig repair uses, if the agent has one.
+pub fn api_kubeconfig(s: &Settings) -> Option<PathBuf> {
+    s.api_kubeconfig
+        .clone()
+        .or_else(|| Some(s.kubeconfig_path()).filter(|p| p.is_file()))
+}
+
+async fn list_async(kubeconfig: &Path, node: &str) -> Result<Vec<Pod>, String> {
+    let shown = kubeconfig.display();
+    let kc = Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+    let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+    config.connect_timeout = Some(API_TIMEOUT);
+    config.read_timeout = Some(API_TIMEOUT);
+    let client = Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+    let list = Api::<Pod>::all(client)
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await
+        .map_err(|e| format!("listing the pods on node {node}: {e}"))?;
+    Ok(list.items)
+}
+
+/// The pods on `node` that hold pod addresses now, by address. Pods that finished (their IP may
+/// already be another pod's) and host-network pods (the node's own address) are left out.
+pub fn node_pods(kubeconfig: &Path, node: &str) -> Result<BTreeMap<IpAddr, NodePod>, String> {
+    if node.is_empty() {
+        return Err(
+            "repair needs node-name (NODE_NAME from the downward API) to list this node's pods"
+                .into(),
+        );
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start an async runtime: {e}"))?;
+    let items = rt
+        .block_on(async { tokio::time::timeout(API_TIMEOUT, list_async(kubeconfig, node)).await })
+        .map_err(|_| format!("no answer from the API server within {API_TIMEOUT:?}"))??;
+    Ok(by_address(&items))
+}
+
+pub fn by_address(items: &[Pod]) -> BTreeMap<IpAddr, NodePod> {
+    let mut out = BTreeMap::new();
+    for p in items {
+        let spec = p.spec.as_ref();
+        let status = p.status.as_ref();
+        if spec.and_then(|s| s.host_network) == Some(true)
+            || status
+                .and_then(|s| s.phase.as_deref())
+                .is_some_and(|ph| ph == "Succeeded" || ph == "Failed")
+        {
+            continue;
+        }
+        let pod = NodePod {
+            namespace: p.metadata.namespace.clone().unwrap_or_default(),
+            name: p.metadata.name.clone().unwrap_or_default(),
+            uid: p.metadata.uid.clone().unwrap_or_default(),
+        };
+        let ips = status
+            .and_then(|s| s.pod_ips.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|i| i.ip)
+            .chain(status.and_then(|s| s.pod_ip.clone()));
+        for ip in ips.filter_map(|i| i.parse::<IpAddr>().ok()) {
+            out.insert(ip, pod.clone());
+        }
+    }
+    out
+}
+
+/// The pod that holds `ips`: exactly one, or an error saying why not.
+pub fn match_pod<'a>(
+    pods: &'a BTreeMap<IpAddr, NodePod>,
+    ips: &[IpAddr],
+) -> Result<&'a NodePod, String> {
+    let found: BTreeSet<(&str, &str)> = ips
+        .iter()
+        .filter_map(|ip| pods.get(ip))
+        .map(|p| (p.namespace.as_str(), p.name.as_str()))
+        .collect();
+    match found.len() {
+        1 => Ok(ips.iter().find_map(|ip| pods.get(ip)).expect("found one")),
+        0 => Err(format!(
+            "no running pod on this node has its address ({})",
+            ips.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+        _ => Err(format!(
+            "its addresses belong to several pods: {}",
+            found
+                .iter()
+                .map(|(ns, n)| format!("{ns}/{n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+/// The plugin's own words for a skip: the text after "not captured: " in its log.
+pub fn skip_reason(stderr: &str) -> Option<String> {
+    stderr.lines().find_map(|l| {
+        l.split_once(" not captured: ")
+            .map(|(_, r)| r.trim().to_owned())
+    })
+}
+
+/// The ADD's config in a cluster: the runtime's entry, with the agent's kubeconfig, and no
+/// `policy` (the pod's own annotations decide).
+pub fn cluster_config(
+    entry: &Value,
+    network: &Network,
+    kubeconfig: &Path,
+    netns: &Path,
+    addrs: &pods::PodAddresses,
+) -> Value {
+    let mut conf = reconcile::repair_config(
+        entry,
+        network,
+        &crate::policy::Policy::default(),
+        netns,
+        addrs,
+    );
+    if let Some(o) = conf.as_object_mut() {
+        o.remove("policy");
+    }
+    if !conf["kubernetes"].is_object() {
+        conf["kubernetes"] = json!({});
+    }
+    conf["kubernetes"]["kubeconfig"] = json!(kubeconfig);
+    conf
+}
+
+/// Repairs every netns of `report.unenrolled`: repaired ones move to `report.repaired`, skipped
+/// ones to `report.skipped`; failures stay unenrolled with an error.
+pub fn repair_all(
+    s: &Settings,
+    entry: &Value,
+    network: Option<&Network>,
+    report: &mut reconcile::Report,
+) {
+    let live: BTreeSet<u64> = report.unenrolled.iter().map(|l| l.cookie).collect();
+    skipped().retain(|c, _| live.contains(c));
+    let kubeconfig = api_kubeconfig(s);
+    let mut pods: Option<Result<BTreeMap<IpAddr, NodePod>, String>> = None;
+    for l in std::mem::take(&mut report.unenrolled) {
+        if let Some(why) = skipped().get(&l.cookie).cloned() {
+            report.skipped.push((l, why));
+            continue;
+        }
+        let done = match &kubeconfig {
+            None => reconcile::repair(s, entry, network, &l).map(|()| Outcome::Repaired),
+            Some(kc) => {
+                let pods = pods.get_or_insert_with(|| node_pods(kc, &s.node_name));
+                repair_in_cluster(s, entry, network, kc, pods.as_ref(), &l)
+            }
+        };
+        match done {
+            Ok(Outcome::Repaired) => report.repaired.push(l),
+            Ok(Outcome::Skipped(why)) => {
+                tracing::info!(
+                    netns = %l.path.display(),
+                    netns_cookie = l.cookie,
+                    reason = %why,
+                    "repair: the plugin leaves this pod uncaptured, as its ADD did"
+                );
+                skipped().insert(l.cookie, why.clone());
+                report.skipped.push((l, why));
+            }
+            Err(e) => {
+                report.errors.push(e.to_string());
+                report.unenrolled.push(l);
+            }
+        }
+    }
+}
+
+fn repair_in_cluster(
+    s: &Settings,
+    entry: &Value,
+    network: Option<&Network>,
+    kubeconfig: &Path,
+    pods: Result<&BTreeMap<IpAddr, NodePod>, &String>,
+    l: &LiveNetns,
+) -> Result<Outcome, ReconcileError> {
+    let fail = |reason: String| ReconcileError::Repair {
+        netns: l.path.display().to_string(),
+        reason,
+    };
+    let network =
+        network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
+    let pods = pods.map_err(|e| fail(e.clone()))?;
+    let addrs = pods::pod_addresses(&l.path)
+        .ok_or_else(|| fail("it has no interface with an address".into()))?;
+    let ips: Vec<IpAddr> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
+    let pod = match_pod(pods, &ips).map_err(fail)?;
+    let conf = cluster_config(entry, network, kubeconfig, &l.path, &addrs);
+    let container_id = format!("sidestep-repair-{}", l.cookie);
+    let args = format!(
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_UID={}",
+        pod.namespace, pod.name, pod.uid
+    );
+    let (_, stderr) = reconcile::run_plugin_with_args(
+        s,
+        "ADD",
+        &container_id,
+        &l.path,
+        &addrs.ifname,
+        &args,
+        &conf,
+    )
+    .map_err(fail)?;
+    if reconcile::enrolled_cookies(&s.pin_root).contains(&l.cookie) {
+        tracing::info!(
+            pod = %format!("{}/{}", pod.namespace, pod.name),
+            netns = %l.path.display(),
+            netns_cookie = l.cookie,
+            interface = %addrs.ifname,
+            "repaired: enrolled a running pod in place"
+        );
+        return Ok(Outcome::Repaired);
+    }
+    let why = skip_reason(&stderr).unwrap_or_else(|| "the plugin did not enrol it".into());
+    Ok(Outcome::Skipped(format!(
+        "{}/{}: {why}",
+        pod.namespace, pod.name
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(ns: &str, name: &str, phase: &str, ips: &[&str], host: bool) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"namespace": ns, "name": name, "uid": format!("uid-{name}")},
+            "spec": {"hostNetwork": host, "containers": [{"name": "app"}]},
+            "status": {"phase": phase, "podIP": ips.first(),
+                       "podIPs": ips.iter().map(|i| json!({"ip": i})).collect::<Vec<_>>()}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn finds_the_running_pod_by_address() {
+        let items = [
+            pod("shop", "web", "Running", &["10.0.0.7", "fd00::7"], false),
+            // Finished: its address is free for the next pod.
+            pod("shop", "old", "Succeeded", &["10.0.0.8"], false),
+            pod("shop", "new", "Pending", &["10.0.0.8"], false),
+            pod("kube-system", "proxy", "Running", &["192.168.1.10"], true),
+        ];
+        let m = by_address(&items);
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(match_pod(&m, &[ip("fd00::7")]).unwrap().name, "web");
+        assert_eq!(match_pod(&m, &[ip("10.0.0.8")]).unwrap().name, "new");
+        assert!(match_pod(&m, &[ip("192.168.1.10")]).is_err());
+        let e = match_pod(&m, &[ip("10.0.0.7"), ip("10.0.0.8")]).unwrap_err();
+        assert!(e.contains("shop/new") && e.contains("shop/web"), "{e}");
+    }
+
+    #[test]
+    fn the_plugins_reason_is_kept() {
+        let log = "2026-12-02T18:00:00Z  INFO sidestep_cni::ops::add: shop/plain not captured: \
+                   it has no istio-proxy container (has [app])\n";
+        assert_eq!(
+            skip_reason(log).as_deref(),
+            Some("it has no istio-proxy container (has [app])")
+        );
+        assert_eq!(skip_reason("nothing"), None);
+    }
+
+    #[test]
+    fn the_cluster_config_names_the_kubeconfig_and_no_policy() {
+        let entry = json!({"type": "sidestep", "policy": {"x": 1},
+                           "kubernetes": {"pod_read_retries": 2}});
+        let addrs = pods::PodAddresses {
+            ifname: "eth0".into(),
+            ips: vec![("10.1.2.3".parse().unwrap(), 24)],
+        };
+        let net = ("k8s".to_string(), "1.0.0".to_string());
+        let c = cluster_config(
+            &entry,
+            &net,
+            Path::new("/k/config"),
+            Path::new("/run/netns/x"),
+            &addrs,
+        );
+        assert!(c.get("policy").is_none());
+        assert_eq!(c["kubernetes"]["kubeconfig"], "/k/config");
+        assert_eq!(c["kubernetes"]["pod_read_retries"], 2);
+        assert_eq!(c["prevResult"]["ips"][0]["address"], "10.1.2.3/24");
+    }
+}
