@@ -24,7 +24,10 @@ pub fn pod_links_dir(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
 /// Per-pod link directories are 0700 like the pin root the loader makes, so that no directory
 /// below it is open to other users even where the pin root's own mode was loosened.
 fn mkdir_private(dir: &Path) -> std::io::Result<()> {
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }
 
 /// Interfaces of the current netns (the caller's thread), loopback excluded.
