@@ -67,12 +67,12 @@ pub struct Agent {
     installed: Mutex<Option<(u64, u64, i64)>>,
     report: Mutex<Report>,
     network: Mutex<Option<Network>>,
-}
     /// How the programs were loaded, for reloading them when their pins vanish.
     load: LoadOptions,
     /// Set when the data path was created empty (a fresh load or a reload): the next reconcile
     /// enrols every recorded pod again.
     reenrol: AtomicBool,
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -181,14 +181,14 @@ impl Agent {
             installed: Mutex::new(None),
             report: Mutex::new(Report::default()),
             network: Mutex::new(None),
-        };
             load,
             // Records that outlived their pins (a reboot keeps /var/lib, not bpffs) name pods
             // whose netns may still run.
             reenrol: AtomicBool::new(outcome == LoadOutcome::Fresh),
+        };
         agent.install_binary()?;
-        agent.refresh_kubeconfig()?;
         sys::failpoint("agent:after-install");
+        agent.refresh_kubeconfig()?;
         Ok(agent)
     }
 
@@ -269,13 +269,12 @@ impl Agent {
         let s = &self.settings;
         let layout = PinLayout::new(&s.pin_root);
         let mut missing = Vec::new();
-        if !layout.is_loaded() {
         let lost = loader::missing_pins(&layout);
+        if !layout.is_loaded() {
             missing.push(format!(
                 "programs are not loaded at {}",
                 s.pin_root.display()
             ));
-        } else {
         } else if !lost.is_empty() {
             missing.push(format!(
                 "{} pins are missing under {} (first: {}); the next reconcile reloads them",
@@ -283,6 +282,7 @@ impl Agent {
                 s.pin_root.display(),
                 lost[0].display()
             ));
+        } else {
             for p in CGROUP_PROGRAMS {
                 let ok = sys::obj_get(&layout.cgroup_link(p.attach_point))
                     .and_then(|fd| sys::link_info(fd.as_fd()))
@@ -320,12 +320,12 @@ impl Agent {
             report.unenrolled.len(),
             report.repaired.len()
         );
-        if missing.is_empty() {
         if let Some(why) = &report.reloaded {
             tail.push_str(&format!(
                 "data path reloaded at the last reconcile: {why}\n"
             ));
         }
+        if missing.is_empty() {
             (true, format!("ready\n{tail}"))
         } else {
             (false, format!("not ready: {}\n{tail}", missing.join("; ")))
@@ -344,7 +344,6 @@ impl Agent {
         )
     }
 
-    /// The network (name, cniVersion) the entry was last put into.
     /// Reloads the programs when pins are missing (bpffs unmounted, pins deleted behind our
     /// back), and marks every recorded pod for enrolment at once: the maps may be new and empty.
     /// Returns what was missing when it reloaded.
@@ -370,6 +369,7 @@ impl Agent {
         Ok(Some(why))
     }
 
+    /// The network (name, cniVersion) the entry was last put into.
     pub fn network(&self) -> Option<Network> {
         lock(&self.network).clone()
     }
