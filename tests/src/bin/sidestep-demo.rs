@@ -215,6 +215,25 @@ fn requests(env: &TestEnv, pod: &Pod, target: &str, expect: &str) -> Result<usiz
     Ok(String::from_utf8_lossy(&out.stdout).matches(expect).count())
 }
 
+/// With SIDESTEP_DEMO_CAPTURE=FILE, appends the agent's /readyz and /metrics to FILE (the
+/// examples in docs/OPERATIONS.md come from it).
+fn capture(agent: &AgentProc, when: &str) -> Result<()> {
+    let Some(path) = std::env::var_os("SIDESTEP_DEMO_CAPTURE") else {
+        return Ok(());
+    };
+    let (rc, ready) = agent.get("/readyz")?;
+    let (mc, metrics) = agent.get("/metrics")?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)?;
+    write!(
+        f,
+        "=== {when}\n--- GET /readyz ({rc})\n{ready}--- GET /metrics ({mc})\n{metrics}"
+    )?;
+    Ok(())
+}
+
 fn status(pin_root: &Path) -> Result<Value> {
     let out = sidestep(&[
         "status",
@@ -413,6 +432,8 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
         format!("sidestep_pod_redirected_outbound_total sums to {from_metrics}"),
     ));
 
+    capture(&agent, "with pods running, after the traffic")?;
+
     // Capture is real: with client-1's sidecar gone, its requests cannot leave the pod.
     sidecars[0].child().kill()?;
     let leaked = requests(&env, &clients[0], &target, &body)?;
@@ -494,6 +515,7 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
             seen.0, seen.1
         ),
     ));
+    capture(&agent, "after every pod's DEL")?;
     drop(node);
 
     // Stopping the agent leaves capture in place; `sidestep uninstall` removes it all.
