@@ -24,6 +24,7 @@ pub mod bench;
 pub mod cgroup;
 pub mod cni;
 pub mod env;
+pub mod faults;
 pub mod haproxy;
 pub mod istio_iptables;
 pub mod net;

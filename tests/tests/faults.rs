@@ -12,32 +12,18 @@
 //!   whose layout changed stops the load with an error naming it, before anything changes.
 
 use std::{
-    collections::BTreeMap,
-    os::unix::process::ExitStatusExt as _,
     path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
-    time::{Duration, Instant},
+    process::Command,
 };
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use sidestep_tests::{
-    Node, NodeOptions, Pod, PodOptions, TestEnv, cni,
-    sidestep::{Loaded, bin_dir, sidestep},
+    Node, NodeOptions, PodOptions, TestEnv,
+    faults::{Plugin, bpftool},
+    sidestep::{Loaded, sidestep},
     skip_unless_root,
 };
-
-const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
-
-/// Maps with one or more entries per enrolled pod.
-const POD_MAPS: [&str; 6] = [
-    "SIDESTEP_POD",
-    "SIDESTEP_ADDRS",
-    "SIDESTEP_PORTS",
-    "SIDESTEP_CIDRS",
-    "SIDESTEP_STATS",
-    "SIDESTEP_IFACES",
-];
 
 const ADD_POINTS: [&str; 7] = [
     "state:before-rename",
@@ -54,193 +40,6 @@ const DEL_POINTS: [&str; 3] = [
     "unenroll:after-pod-entry",
     "del:after-unenroll",
 ];
-
-fn bpftool(args: &[&str]) -> Result<Value> {
-    let out = Command::new("bpftool")
-        .args(args)
-        .arg("--json")
-        .output()
-        .context("running bpftool")?;
-    ensure!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).with_context(|| format!("bpftool {args:?} output"))
-}
-
-/// Everything a pod's enrolment consists of.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Snapshot {
-    maps: BTreeMap<&'static str, usize>,
-    /// Pins under links/tc and links/sklookup.
-    pod_link_pins: Vec<String>,
-    /// Kernel links running one of this pin root's programs.
-    links: usize,
-    /// Files in the state directory (hidden ones too), the plugin's timing log aside.
-    files: Vec<String>,
-    pending: bool,
-}
-
-fn tree(dir: &Path, base: &Path, out: &mut Vec<String>) {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in rd.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            tree(&p, base, out);
-        } else {
-            out.push(p.strip_prefix(base).unwrap_or(&p).display().to_string());
-        }
-    }
-}
-
-/// The test's plugin invocations: the real binary, run as a runtime would, plus a failpoint.
-struct Plugin {
-    pin_root: PathBuf,
-    state: PathBuf,
-    network: String,
-}
-
-impl Plugin {
-    fn new(env: &TestEnv, loaded: &Loaded) -> Self {
-        Self {
-            pin_root: loaded.pin_root().to_path_buf(),
-            state: env.tmp_dir().join("cni-state"),
-            network: format!("faults-{}", env.id()),
-        }
-    }
-
-    fn run(&self, command: &str, pod: &Pod, failpoint: Option<&str>) -> Result<Output> {
-        let entry = json!({
-            "type": "sidestep",
-            "pin_root": self.pin_root,
-            "state_dir": self.state,
-            "capabilities": {"io.kubernetes.cri.pod-annotations": true},
-        });
-        let rc = json!({"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}});
-        let conf = cni::plugin_conf(&self.network, &entry, Some(&pod.cni_result), Some(&rc));
-        let mut cmd = Command::new(bin_dir().join("sidestep-cni"));
-        cmd.env_clear()
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", &pod.container_id)
-            .env("CNI_NETNS", &pod.netns_path)
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_ARGS", &pod.cni_args)
-            .env("CNI_PATH", "/usr/lib/cni")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(f) = failpoint {
-            cmd.env("SIDESTEP_FAILPOINT", f);
-        }
-        let mut child = cmd.spawn().context("spawning sidestep-cni")?;
-        std::io::Write::write_all(
-            &mut child.stdin.take().context("stdin")?,
-            &serde_json::to_vec(&conf)?,
-        )?;
-        Ok(child.wait_with_output()?)
-    }
-
-    /// Runs and requires success.
-    fn ok(&self, command: &str, pod: &Pod) -> Result<Output> {
-        let out = self.run(command, pod, None)?;
-        ensure!(
-            out.status.success(),
-            "{command} failed ({}): {}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(out)
-    }
-
-    /// Runs with `failpoint` armed and requires the plugin to have died by SIGKILL there.
-    fn killed(&self, command: &str, pod: &Pod, failpoint: &str) -> Result<()> {
-        let out = self.run(command, pod, Some(failpoint))?;
-        ensure!(
-            out.status.signal() == Some(libc::SIGKILL),
-            "{command} with failpoint {failpoint} was not killed ({}): {}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
-
-    fn record_path(&self, pod: &Pod) -> PathBuf {
-        self.state.join(format!("{}@eth0.json", pod.container_id))
-    }
-
-    fn snapshot(&self) -> Result<Snapshot> {
-        let mut maps = BTreeMap::new();
-        for m in POD_MAPS {
-            let path = self.pin_root.join("maps").join(m).display().to_string();
-            let n = bpftool(&["map", "dump", "pinned", &path])?
-                .as_array()
-                .map_or(0, Vec::len);
-            maps.insert(m, n);
-        }
-        let mut pod_link_pins = Vec::new();
-        let links_dir = self.pin_root.join("links");
-        for d in ["tc", "sklookup"] {
-            tree(&links_dir.join(d), &links_dir, &mut pod_link_pins);
-        }
-        pod_link_pins.sort();
-        let root = format!("{}/", self.pin_root.display());
-        let own: Vec<u64> = bpftool(&["prog", "show", "-f"])?
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|p| {
-                p["pinned"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|x| x.as_str().is_some_and(|x| x.starts_with(&root)))
-            })
-            .filter_map(|p| p["id"].as_u64())
-            .collect();
-        let links = bpftool(&["link", "show"])?
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|l| l["prog_id"].as_u64().is_some_and(|id| own.contains(&id)))
-            .count();
-        let mut files = Vec::new();
-        tree(&self.state, &self.state, &mut files);
-        files.retain(|f| !f.starts_with("timings"));
-        files.sort();
-        let pending = std::fs::read(self.state.join(files.first().cloned().unwrap_or_default()))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-            .is_some_and(|v| v["pending"] == true);
-        Ok(Snapshot {
-            maps,
-            pod_link_pins,
-            links,
-            files,
-            pending,
-        })
-    }
-
-    /// Waits (links and map entries go after an RCU grace period) for `want`.
-    fn expect(&self, what: &str, want: &Snapshot) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let now = self.snapshot()?;
-            if now == *want {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                bail!("{what}:\n want {want:?}\n have {now:?}");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
 
 fn pod_options() -> PodOptions {
     PodOptions {
@@ -261,7 +60,7 @@ fn setup(name: &str) -> Result<Setup> {
     let env = TestEnv::new(name)?;
     let loaded = Loaded::load(&env)?;
     let node = Node::new(&env, NodeOptions::ipv4_only())?;
-    let plugin = Plugin::new(&env, &loaded);
+    let plugin = Plugin::new(&env, loaded.pin_root());
     Ok(Setup {
         node,
         plugin,
