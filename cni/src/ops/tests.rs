@@ -182,6 +182,8 @@ impl Harness {
                 out.extend(
                     rd.flatten()
                         .filter(|e| e.path().is_file())
+                        // The invocation timing log (crate::timing) is not state.
+                        .filter(|e| e.file_name() != crate::timing::FILE_NAME)
                         .map(|e| format!("{prefix}{}", e.file_name().to_string_lossy())),
                 );
             }
@@ -472,4 +474,57 @@ fn config_policy_for_workloads_without_kubernetes() {
     );
     assert!(o.success, "{:?}", o.stdout);
     assert_eq!(h.world.pods.borrow()[&101].proxy_uid, 1500);
+}
+
+/// A pending record as an ADD killed after its first map write leaves it.
+fn pending_record(h: &Harness, cid: &str) {
+    assert!(h.run("ADD", cid, "/run/netns/a", &h.conf(json!({}))).success);
+    let path = h.state_dir().join(format!("{cid}@eth0.json"));
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    v["pending"] = json!(true);
+    v["writerPid"] = json!(1);
+    std::fs::write(&path, v.to_string()).unwrap();
+}
+
+#[test]
+fn a_pending_record_fails_check_and_lets_del_find_the_gone_netns() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    pending_record(&h, "c1");
+    assert_eq!(
+        err_code(&h.run("CHECK", "c1", "/run/netns/a", &conf)),
+        code::CHECK_FAILED as u64
+    );
+    h.world.netns.borrow_mut().remove(Path::new("/run/netns/a"));
+    assert!(h.run("DEL", "c1", "/run/netns/a", &conf).success);
+    assert!(h.world.pods.borrow().is_empty() && h.files().is_empty());
+}
+
+#[test]
+fn a_retried_add_completes_a_pending_record() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    pending_record(&h, "c1");
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
+    let text = std::fs::read_to_string(h.state_dir().join("c1@eth0.json")).unwrap();
+    assert!(!text.contains("pending") && !text.contains("writerPid"), "{text}");
+}
+
+#[test]
+fn a_failed_enrolment_leaves_no_pending_record_and_keeps_an_earlier_one() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    h.world.fail_enroll.set(true);
+    assert!(!h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert!(h.files().is_empty(), "{:?}", h.files());
+    h.world.fail_enroll.set(false);
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    let before = std::fs::read(h.state_dir().join("c1@eth0.json")).unwrap();
+    h.world.fail_enroll.set(true);
+    assert!(!h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert_eq!(
+        std::fs::read(h.state_dir().join("c1@eth0.json")).unwrap(),
+        before
+    );
 }
