@@ -478,7 +478,10 @@ fn config_policy_for_workloads_without_kubernetes() {
 
 /// A pending record as an ADD killed after its first map write leaves it.
 fn pending_record(h: &Harness, cid: &str) {
-    assert!(h.run("ADD", cid, "/run/netns/a", &h.conf(json!({}))).success);
+    assert!(
+        h.run("ADD", cid, "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
     let path = h.state_dir().join(format!("{cid}@eth0.json"));
     let mut v: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     v["pending"] = json!(true);
@@ -508,7 +511,10 @@ fn a_retried_add_completes_a_pending_record() {
     assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
     assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
     let text = std::fs::read_to_string(h.state_dir().join("c1@eth0.json")).unwrap();
-    assert!(!text.contains("pending") && !text.contains("writerPid"), "{text}");
+    assert!(
+        !text.contains("pending") && !text.contains("writerPid"),
+        "{text}"
+    );
 }
 
 #[test]
