@@ -1,13 +1,14 @@
 //! Executing CNI plugins the way a runtime (libcni) does: environment variables in, network
 //! configuration on stdin, a Result (or an Error) as JSON on stdout.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+
+use crate::util::output_within;
 
 /// The CNI spec version used for every configuration.
 pub const CNI_VERSION: &str = "1.0.0";
@@ -53,8 +54,8 @@ pub fn exec(inv: &Invocation<'_>, conf: &Value) -> Result<Value> {
     let bin = find_plugin(inv.plugin_dirs, type_)?;
     let cni_path = std::env::join_paths(inv.plugin_dirs).context("CNI_PATH")?;
     let stdin = serde_json::to_vec(conf)?;
-    let mut child = Command::new(&bin)
-        .env_clear()
+    let mut cmd = Command::new(&bin);
+    cmd.env_clear()
         .env(
             "PATH",
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -64,49 +65,14 @@ pub fn exec(inv: &Invocation<'_>, conf: &Value) -> Result<Value> {
         .env("CNI_NETNS", inv.netns)
         .env("CNI_IFNAME", inv.ifname)
         .env("CNI_ARGS", inv.args)
-        .env("CNI_PATH", cni_path)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("spawn {}", bin.display()))?;
-    // Config documents are small; the pipe buffer takes them whole.
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(&stdin)
-        .context("write plugin stdin")?;
-    // Reading stdout/stderr on threads lets us enforce a timeout without risking a full pipe.
-    let mut out_pipe = child.stdout.take().context("stdout")?;
-    let mut err_pipe = child.stderr.take().context("stderr")?;
-    let out_t = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut out_pipe, &mut v);
-        v
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut err_pipe, &mut v);
-        v
-    });
-    let deadline = Instant::now() + PLUGIN_TIMEOUT;
-    let status = loop {
-        if let Some(st) = child.try_wait()? {
-            break st;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!(
-                "CNI {} {type_} hung for {PLUGIN_TIMEOUT:?}; killed",
-                inv.command
-            );
-        }
-        std::thread::sleep(Duration::from_millis(5));
+        .env("CNI_PATH", cni_path);
+    let Some(out) = output_within(&mut cmd, Some(&stdin), PLUGIN_TIMEOUT)? else {
+        bail!(
+            "CNI {} {type_} hung for {PLUGIN_TIMEOUT:?}; killed",
+            inv.command
+        );
     };
-    let stdout = out_t.join().unwrap_or_default();
-    let stderr = err_t.join().unwrap_or_default();
+    let (status, stdout, stderr) = (out.status, out.stdout, out.stderr);
     let stdout_s = String::from_utf8_lossy(&stdout);
     if !status.success() {
         bail!(

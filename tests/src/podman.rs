@@ -29,26 +29,30 @@
 //! [`crate::Node`] and [`crate::sidestep::Loaded`] so that it drops first.
 
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use nix::mount::{MntFlags, umount2};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use serde_json::Value;
 
 use crate::cgroup::cgroup2_mount;
 use crate::env::TestEnv;
-use crate::haproxy::{self, SidecarConfig};
-use crate::net::listening_sockets;
 use crate::netns;
-use crate::sweep::pid_of_id;
-use crate::util::{pid_alive, poll, tail};
+use crate::util::{output_within, tail};
+
+mod cleanup;
+mod rootfs;
+mod sidecar;
+
+pub use cleanup::sweep_stale;
+use cleanup::{cache_files, remove_cgroup_tree, unmount_under, v1_cgroup_dirs};
+use rootfs::build_rootfs;
+pub use sidecar::Sidecar;
 
 /// A podman call killed after this long is reported as hung.
 const PODMAN_TIMEOUT: Duration = Duration::from_secs(90);
@@ -216,11 +220,10 @@ volume_path = {volumes}
             .env("HOME", self.dir.join("home"))
             .env("TMPDIR", self.dir.join("tmpfiles"))
             .env("CONTAINERS_CONF", &self.conf)
-            .env("CONTAINERS_STORAGE_CONF", &self.storage_conf)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        run_timeout(cmd, PODMAN_TIMEOUT).with_context(|| format!("podman {}", args.join(" ")))
+            .env("CONTAINERS_STORAGE_CONF", &self.storage_conf);
+        output_within(&mut cmd, None, PODMAN_TIMEOUT)
+            .and_then(|o| o.with_context(|| format!("hung for {PODMAN_TIMEOUT:?}; killed")))
+            .with_context(|| format!("podman {}", args.join(" ")))
     }
 
     /// Runs `podman ARGS`; fails with its stderr when it exits non-zero. Returns stdout.
@@ -498,96 +501,6 @@ impl Drop for Podman {
     }
 }
 
-/// An HAProxy sidecar container (the config of [`haproxy::render_config`], IPv4 listeners)
-/// running as the proxy UID in a podman pod.
-#[derive(Debug)]
-pub struct Sidecar {
-    pub container: String,
-    pub config: SidecarConfig,
-}
-
-impl Sidecar {
-    /// Writes the config into the rootfs, checks it with the host's `haproxy -c`, runs
-    /// `haproxy -db` as `cfg.uid:cfg.gid` in `pod`, and waits until it listens.
-    pub fn start(podman: &Podman, pod: &PodmanPod, cfg: SidecarConfig) -> Result<Self> {
-        let rel = format!("etc/sidestep/haproxy-{}.cfg", pod.name);
-        let host_path = podman.rootfs.join(&rel);
-        fs::write(&host_path, haproxy::render_config(&cfg, false))
-            .with_context(|| format!("write {}", host_path.display()))?;
-        fs::set_permissions(&host_path, fs::Permissions::from_mode(0o644))?;
-        let check = Command::new("haproxy")
-            .args(["-c", "-f"])
-            .arg(&host_path)
-            .output()
-            .context("haproxy -c")?;
-        ensure!(
-            check.status.success(),
-            "haproxy -c {}: {}{}",
-            host_path.display(),
-            String::from_utf8_lossy(&check.stdout),
-            String::from_utf8_lossy(&check.stderr)
-        );
-        let name = format!("{}-haproxy", pod.name);
-        let in_ctr = format!("/{rel}");
-        let container = podman.run_detached(
-            pod,
-            &name,
-            cfg.uid,
-            cfg.gid,
-            &["/usr/sbin/haproxy", "-db", "-f", &in_ctr],
-        )?;
-        let want = [
-            SocketAddr::from(([127, 0, 0, 1], cfg.outbound_port)),
-            SocketAddr::from(([0, 0, 0, 0], cfg.inbound_port)),
-        ];
-        poll(
-            "haproxy listeners in the podman pod",
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            || {
-                let pid = podman.pid(&container)?;
-                let have = listening_sockets(pid)?;
-                Ok(want.iter().all(|w| have.contains(w)).then_some(()))
-            },
-        )
-        .with_context(|| {
-            format!(
-                "starting haproxy in podman pod {}; logs: {}",
-                pod.name,
-                podman.logs(&container).unwrap_or_default()
-            )
-        })?;
-        Ok(Self {
-            container,
-            config: cfg,
-        })
-    }
-
-    /// HAProxy's log so far (one line per connection; see [`haproxy::render_config`]).
-    pub fn log(&self, podman: &Podman) -> String {
-        podman.logs(&self.container).unwrap_or_default()
-    }
-
-    /// Waits until the log contains every needle.
-    pub fn wait_log(&self, podman: &Podman, needles: &[&str], timeout: Duration) -> Result<()> {
-        poll(
-            "sidecar log lines",
-            timeout,
-            Duration::from_millis(50),
-            || {
-                let log = self.log(podman);
-                Ok(needles.iter().all(|n| log.contains(n)).then_some(()))
-            },
-        )
-        .with_context(|| {
-            format!(
-                "wanted {needles:?} in the sidecar log:\n{}",
-                self.log(podman)
-            )
-        })
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock leaves valid data; keep going so that Drop cleans up.
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -625,339 +538,9 @@ fn hard_limit(resource: libc::__rlimit_resource_t) -> u64 {
     if ret == 0 { lim.rlim_max } else { 1024 }
 }
 
-/// Runs `cmd` with piped stdout/stderr, killing it after `timeout`.
-fn run_timeout(mut cmd: Command, timeout: Duration) -> Result<Output> {
-    let mut child = cmd.spawn().context("spawn")?;
-    let mut out_pipe = child.stdout.take().context("stdout")?;
-    let mut err_pipe = child.stderr.take().context("stderr")?;
-    let out_t = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut out_pipe, &mut v);
-        v
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut err_pipe, &mut v);
-        v
-    });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(st) = child.try_wait()? {
-            break st;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("hung for {timeout:?}; killed");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    // Detached children (conmon) keep no copy of the pipes: podman hands them /dev/null.
-    Ok(Output {
-        status,
-        stdout: out_t.join().unwrap_or_default(),
-        stderr: err_t.join().unwrap_or_default(),
-    })
-}
-
-/// Builds a rootfs with busybox and the host's haproxy and curl, each with the shared libraries `ldd`
-/// names, plus the directories and files runc and podman mount over.
-fn build_rootfs(root: &Path) -> Result<()> {
-    for d in [
-        "bin",
-        "usr/sbin",
-        "etc/sidestep",
-        "proc",
-        "sys",
-        "dev",
-        "run",
-        "tmp",
-        "var/tmp",
-    ] {
-        fs::create_dir_all(root.join(d)).with_context(|| format!("mkdir rootfs/{d}"))?;
-    }
-    for d in ["tmp", "var/tmp"] {
-        fs::set_permissions(root.join(d), fs::Permissions::from_mode(0o1777))?;
-    }
-    let busybox = which("busybox").context("busybox not found (package busybox-static)")?;
-    copy_with_libs(&busybox, &root.join("bin/busybox"), root)?;
-    for applet in APPLETS {
-        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet))
-            .with_context(|| format!("link applet {applet}"))?;
-    }
-    let haproxy = which("haproxy").context("haproxy not found (package haproxy)")?;
-    copy_with_libs(&haproxy, &root.join("usr/sbin/haproxy"), root)?;
-    let curl = which("curl").context("curl not found")?;
-    copy_with_libs(&curl, &root.join("bin/curl"), root)?;
-    fs::write(
-        root.join("etc/passwd"),
-        "root:x:0:0:root:/:/bin/sh\napp:x:1000:1000:app:/:/bin/sh\nproxy:x:1337:1337:proxy:/:/bin/sh\n",
-    )?;
-    fs::write(
-        root.join("etc/group"),
-        "root:x:0:\napp:x:1000:\nproxy:x:1337:\n",
-    )?;
-    for f in ["etc/hosts", "etc/resolv.conf", "etc/hostname"] {
-        fs::write(root.join(f), "")?;
-    }
-    Ok(())
-}
-
-/// Copies `bin` to `dest` and every library `ldd` lists for it to the same path under `root`.
-fn copy_with_libs(bin: &Path, dest: &Path, root: &Path) -> Result<()> {
-    fs::copy(bin, dest).with_context(|| format!("copy {}", bin.display()))?;
-    let out = Command::new("ldd").arg(bin).output().context("run ldd")?;
-    // A static binary: ldd exits non-zero with "not a dynamic executable".
-    if !out.status.success() {
-        return Ok(());
-    }
-    for lib in ldd_paths(&String::from_utf8_lossy(&out.stdout)) {
-        let rel = lib.strip_prefix("/").unwrap_or(&lib);
-        let to = root.join(rel);
-        if to.exists() {
-            continue;
-        }
-        if let Some(parent) = to.parent() {
-            fs::create_dir_all(parent)?;
-        }
-        fs::copy(&lib, &to).with_context(|| format!("copy {}", lib.display()))?;
-    }
-    Ok(())
-}
-
-/// The absolute library paths in `ldd` output.
-fn ldd_paths(out: &str) -> Vec<PathBuf> {
-    out.lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            let path = match l.split_once("=>") {
-                Some((_, rhs)) => rhs.split_whitespace().next()?,
-                None => l.split_whitespace().next()?,
-            };
-            path.starts_with('/').then(|| PathBuf::from(path))
-        })
-        .collect()
-}
-
-/// libcni's cached results for one container on `network`.
-fn cache_files(network: &str, container_id: &str) -> Vec<PathBuf> {
-    let prefix = format!("{network}-{container_id}-");
-    fs::read_dir(CNI_CACHE)
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-                .map(|e| e.path())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Mount points in /proc/self/mountinfo, in mount order.
-fn mount_points() -> Vec<PathBuf> {
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(4))
-        .map(|p| PathBuf::from(p.replace("\\040", " ")))
-        .collect()
-}
-
-/// Lazily unmounts everything mounted under `dir` (podman's shm for a pod), deepest first.
-fn unmount_under(dir: &Path, errors: &mut Vec<String>) {
-    let mut under: Vec<PathBuf> = mount_points()
-        .into_iter()
-        .filter(|m| m.starts_with(dir))
-        .collect();
-    under.reverse();
-    for m in under {
-        if let Err(e) = umount2(&m, MntFlags::MNT_DETACH) {
-            errors.push(format!("umount {}: {e}", m.display()));
-        }
-    }
-}
-
-/// `<v1 hierarchy>/<rel>` for every cgroup v1 hierarchy that has it.
-fn v1_cgroup_dirs(rel: &str) -> Vec<PathBuf> {
-    let rel = rel.trim_start_matches('/');
-    if rel.is_empty() {
-        return Vec::new();
-    }
-    v1_mounts()
-        .into_iter()
-        .map(|m| m.join(rel))
-        .filter(|d| d.is_dir())
-        .collect()
-}
-
-/// Mount points of cgroup v1 hierarchies.
-fn v1_mounts() -> Vec<PathBuf> {
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|line| {
-            let (pre, post) = line.split_once(" - ")?;
-            (post.split_whitespace().next()? == "cgroup")
-                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))?
-        })
-        .collect()
-}
-
-/// Kills what is left in a cgroup v1 subtree and removes it, deepest first.
-fn remove_cgroup_tree(dir: &Path) -> Result<()> {
-    let children: Vec<PathBuf> = fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.path())
-                .collect()
-        })
-        .unwrap_or_default();
-    for c in &children {
-        remove_cgroup_tree(c)?;
-    }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        for pid in fs::read_to_string(dir.join("cgroup.procs"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().parse::<i32>().ok())
-        {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-        }
-        match fs::remove_dir(dir) {
-            Ok(()) => return Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(e).with_context(|| format!("rmdir {}", dir.display())),
-        }
-    }
-}
-
-/// Removes what killed podman tests left behind, which the generic sweep does not know:
-/// - for a scratch directory of a dead process that holds a podman configuration, every pod
-///   and container of that storage, with that configuration, so that podman runs CNI DEL and
-///   removes its netns and mounts (call this before [`TestEnv::new`], whose sweep deletes
-///   those directories);
-/// - libcni result caches of the networks of dead processes, with the netns each names (a
-///   concurrent test's sweep may have deleted the configuration first);
-/// - cgroup v1 directories `sidestep-test-<id>` of dead processes;
-/// - host mounts under scratch directories of dead processes.
-pub fn sweep_stale() {
-    let dead = |id: &str| pid_of_id(id).is_some_and(|p| p != std::process::id() && !pid_alive(p));
-    let tmp = std::env::temp_dir();
-    let stale_id = |name: &str| -> Option<String> {
-        let rest = name.strip_prefix("sidestep-test-")?;
-        let (id, _) = rest.rsplit_once('-')?;
-        dead(id).then(|| id.to_owned())
-    };
-    if let Ok(rd) = fs::read_dir(&tmp) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(id) = stale_id(&name) else { continue };
-            let dir = e.path().join("podman");
-            if !dir.join("containers.conf").is_file() || which("podman").is_none() {
-                continue;
-            }
-            eprintln!("sidestep-tests: removing podman pods of dead test env {id}");
-            // Dropping it removes the pods and containers of that storage.
-            drop(Podman {
-                conf: dir.join("containers.conf"),
-                storage_conf: dir.join("storage.conf"),
-                net_dir: dir.join("cni.d"),
-                rootfs: dir.join("rootfs"),
-                cgroup_parent: format!("/sidestep-test-{id}"),
-                pods: Mutex::new(Vec::new()),
-                dir,
-            });
-        }
-    }
-    if let Ok(rd) = fs::read_dir(CNI_CACHE) {
-        for e in rd.flatten() {
-            let Ok(cache) = fs::read(e.path()) else {
-                continue;
-            };
-            let Ok(cache) = serde_json::from_slice::<Value>(&cache) else {
-                continue;
-            };
-            // Network names are `sidestep-test-<env id>-<node counter>` (see Node).
-            let stale_network = cache["networkName"]
-                .as_str()
-                .and_then(|n| n.strip_prefix("sidestep-test-"))
-                .and_then(|n| n.rsplit_once('-'))
-                .is_some_and(|(id, _)| dead(id));
-            if !stale_network {
-                continue;
-            }
-            for iface in cache["result"]["interfaces"]
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
-                if let Some(ns) = iface["sandbox"].as_str().map(Path::new)
-                    && ns.parent() == Some(Path::new(netns::NETNS_DIR))
-                    && ns
-                        .file_name()
-                        .is_some_and(|n| n.to_string_lossy().starts_with("netns-"))
-                    && ns.exists()
-                {
-                    eprintln!(
-                        "sidestep-tests: removing leftover podman netns {}",
-                        ns.display()
-                    );
-                    let _ = umount2(ns, MntFlags::MNT_DETACH);
-                    let _ = fs::remove_file(ns);
-                }
-            }
-            let _ = fs::remove_file(e.path());
-        }
-    }
-    for m in v1_mounts() {
-        let Ok(rd) = fs::read_dir(&m) else { continue };
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.strip_prefix("sidestep-test-").is_some_and(dead)
-                && let Err(err) = remove_cgroup_tree(&e.path())
-            {
-                eprintln!("sidestep-tests: {err:#}");
-            }
-        }
-    }
-    let mut stale: Vec<PathBuf> = mount_points()
-        .into_iter()
-        .filter(|m| {
-            m.strip_prefix(&tmp)
-                .ok()
-                .and_then(|r| r.components().next())
-                .and_then(|c| stale_id(&c.as_os_str().to_string_lossy()))
-                .is_some()
-        })
-        .collect();
-    stale.reverse();
-    for m in stale {
-        let _ = umount2(&m, MntFlags::MNT_DETACH);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_ldd_output() {
-        let out = "\tlinux-vdso.so.1 (0x00007ffd)\n\
-                   \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f2e)\n\
-                   \t/lib64/ld-linux-x86-64.so.2 (0x00007f2e)\n\
-                   \tlibmissing.so => not found\n";
-        assert_eq!(
-            ldd_paths(out),
-            [
-                PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"),
-                PathBuf::from("/lib64/ld-linux-x86-64.so.2")
-            ]
-        );
-    }
 
     #[test]
     fn toml_strings_are_escaped() {

@@ -11,12 +11,12 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
 use crate::env::TestEnv;
-use crate::util::tail;
+use crate::util::{tail, wait_exit};
 
 /// PATH given to spawned processes; the environment is otherwise cleared.
 const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -141,16 +141,7 @@ impl ChildGuard {
 
     /// Waits up to `timeout` for the process to exit.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(st) = self.try_wait()? {
-                return Ok(Some(st));
-            }
-            if Instant::now() >= deadline {
-                return Ok(None);
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_exit(timeout, || self.try_wait())
     }
 
     /// SIGKILLs and reaps the process.

@@ -14,20 +14,15 @@
 //! include the others'. Needs root; skips otherwise.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
-    path::{Path, PathBuf},
-    sync::{Arc, Barrier, Mutex, MutexGuard},
+    sync::{Barrier, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 use sidestep_tests::{
-    ChildGuard, Node, NodeOptions, Pod, PodOptions, Spawn, TestEnv,
-    cni::{self, Invocation},
-    haproxy, netns,
-    sidestep::Loaded,
+    ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv, haproxy, sidestep::Loaded,
     skip_unless_root, wait_listening,
 };
 
@@ -35,14 +30,6 @@ const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
 const STATUS: &str = r#"{"containers":["istio-proxy"]}"#;
 const NAMESPACE: &str = "churn";
-/// Every per-pod map, and the pending original destinations.
-const MAPS: [&str; 5] = [
-    "SIDESTEP_POD",
-    "SIDESTEP_PORTS",
-    "SIDESTEP_CIDRS",
-    "SIDESTEP_ADDRS",
-    "SIDESTEP_STATS",
-];
 const CONCURRENT: usize = 64;
 /// Parallel ADD/DEL loops, each on its own reused netns.
 const CYCLE_WORKERS: usize = 4;
@@ -61,369 +48,14 @@ fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")
 }
 
-fn bpftool_json(args: &[&str]) -> Result<Value> {
-    let out = std::process::Command::new("bpftool")
-        .args(args)
-        .arg("--json")
-        .output()
-        .context("running bpftool")?;
-    ensure!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).with_context(|| format!("bpftool {args:?} output"))
-}
+// A test target's modules resolve beside it, not in a directory of its name.
+#[path = "churn/state.rs"]
+mod state;
+#[path = "churn/topology.rs"]
+mod topology;
 
-fn map_entries(pin_root: &Path, map: &str) -> Result<usize> {
-    let path = pin_root.join("maps").join(map).display().to_string();
-    Ok(bpftool_json(&["map", "dump", "pinned", &path])?
-        .as_array()
-        .map_or(0, Vec::len))
-}
-
-/// Files below `dir` (recursively), plus directories other than `dir` itself.
-fn tree_entries(dir: &Path) -> usize {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    rd.flatten()
-        .map(|e| {
-            let p = e.path();
-            if p.is_dir() { 1 + tree_entries(&p) } else { 1 }
-        })
-        .sum()
-}
-
-fn open_fds() -> Result<usize> {
-    Ok(std::fs::read_dir("/proc/self/fd")?.count())
-}
-
-/// sidestep's BPF objects on the machine: id -> pinned paths, for programs named `sidestep_*` and
-/// maps named `SIDESTEP_*`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Objects {
-    progs: BTreeMap<u64, Vec<String>>,
-    maps: BTreeMap<u64, Vec<String>>,
-}
-
-fn objects() -> Result<Objects> {
-    let collect = |kind: &str, prefix: &str| -> Result<BTreeMap<u64, Vec<String>>> {
-        let mut out = BTreeMap::new();
-        for o in bpftool_json(&[kind, "show", "-f"])?
-            .as_array()
-            .into_iter()
-            .flatten()
-        {
-            if !o["name"].as_str().is_some_and(|n| n.starts_with(prefix)) {
-                continue;
-            }
-            let pins = o["pinned"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|p| p.as_str().map(String::from))
-                .collect();
-            out.insert(o["id"].as_u64().context("object id")?, pins);
-        }
-        Ok(out)
-    };
-    Ok(Objects {
-        progs: collect("prog", "sidestep_")?,
-        maps: collect("map", "SIDESTEP_")?,
-    })
-}
-
-/// Everything that must come back to where it started.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct State {
-    maps: BTreeMap<&'static str, usize>,
-    /// Entries under <pin_root>/links/tc (cookie directories and link pins).
-    tc_pins: usize,
-    /// Entries under the plugin's state_dir.
-    records: usize,
-    /// BPF links (any kind) running one of this pin root's programs.
-    links: usize,
-    /// sidestep programs and maps pinned under this pin root.
-    own_progs: BTreeSet<u64>,
-    own_maps: BTreeSet<u64>,
-}
-
-struct Sandbox {
-    pin_root: PathBuf,
-    state_dir: PathBuf,
-}
-
-impl Sandbox {
-    fn state(&self) -> Result<State> {
-        let mut maps = BTreeMap::new();
-        for m in MAPS {
-            maps.insert(m, map_entries(&self.pin_root, m)?);
-        }
-        let objs = objects()?;
-        let root = format!("{}/", self.pin_root.display());
-        let own = |m: &BTreeMap<u64, Vec<String>>| -> BTreeSet<u64> {
-            m.iter()
-                .filter(|(_, pins)| pins.iter().any(|p| p.starts_with(&root)))
-                .map(|(id, _)| *id)
-                .collect()
-        };
-        let own_progs = own(&objs.progs);
-        let links = bpftool_json(&["link", "show"])?
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|l| {
-                l["prog_id"]
-                    .as_u64()
-                    .is_some_and(|id| own_progs.contains(&id))
-            })
-            .count();
-        Ok(State {
-            maps,
-            tc_pins: tree_entries(&self.pin_root.join("links/tc")),
-            records: tree_entries(&self.state_dir),
-            links,
-            own_progs,
-            own_maps: own(&objs.maps),
-        })
-    }
-
-    /// Waits (objects are freed after an RCU grace period) until the state is `start` again.
-    fn expect_state(&self, what: &str, start: &State) -> Result<State> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let now = self.state()?;
-            if now == *start {
-                return Ok(now);
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "{what}: state did not return to the start:\n start {start:?}\n   now {now:?}"
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-/// sidestep objects that nobody pinned and that did not exist before: leaks (objects of other
-/// test processes are pinned under their own roots once their load finishes, so retry a while).
-fn expect_no_new_unpinned(before: &Objects) -> Result<Objects> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = objects()?;
-        let fresh = |all: &BTreeMap<u64, Vec<String>>, old: &BTreeMap<u64, Vec<String>>| {
-            all.iter()
-                .filter(|(id, pins)| pins.is_empty() && !old.contains_key(id))
-                .map(|(id, _)| *id)
-                .collect::<Vec<_>>()
-        };
-        let (p, m) = (
-            fresh(&now.progs, &before.progs),
-            fresh(&now.maps, &before.maps),
-        );
-        if p.is_empty() && m.is_empty() {
-            return Ok(now);
-        }
-        if Instant::now() >= deadline {
-            bail!("unpinned sidestep objects appeared: programs {p:?}, maps {m:?}");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// The pin roots (first three path components below /sys/fs/bpf) other than ours.
-fn foreign_roots(o: &Objects, ours: &Path) -> BTreeSet<String> {
-    let ours = ours.display().to_string();
-    o.progs
-        .values()
-        .chain(o.maps.values())
-        .flatten()
-        .filter_map(|p| {
-            let root: String = p.split('/').take(5).collect::<Vec<_>>().join("/");
-            (root != ours).then_some(root)
-        })
-        .collect()
-}
-
-/// The chain after bridge: portmap, then sidestep-cni.
-fn chain(pin_root: &Path, state_dir: &Path) -> Vec<Value> {
-    vec![
-        json!({"type": "portmap", "capabilities": {"portMappings": true}, "snat": false}),
-        json!({
-            "type": "sidestep",
-            "pin_root": pin_root,
-            "state_dir": state_dir,
-            "capabilities": {"io.kubernetes.cri.pod-annotations": true},
-        }),
-    ]
-}
-
-fn meshed_runtime_config() -> Value {
-    json!({"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}})
-}
-
-/// A node whose chain ends in sidestep-cni, sidestep loaded, and the plugin's state_dir.
-struct ChainNode {
-    node: Node,
-    loaded: Loaded,
-    sandbox: Sandbox,
-    plugins: Vec<Value>,
-}
-
-impl ChainNode {
-    fn new(env: &TestEnv, dual_stack: bool) -> Result<Self> {
-        let loaded = Loaded::load(env)?;
-        let state_dir = env.tmp_dir().join("cni-state");
-        let chain = chain(loaded.pin_root(), &state_dir);
-        let node = Node::new(
-            env,
-            NodeOptions {
-                dual_stack,
-                chain: chain.clone(),
-                plugin_dirs: vec![sidestep_tests::sidestep::cni_plugin_dir(env)?],
-            },
-        )?;
-        let mut plugins = vec![node.bridge_plugin()];
-        plugins.extend(chain);
-        Ok(Self {
-            sandbox: Sandbox {
-                pin_root: loaded.pin_root().to_path_buf(),
-                state_dir,
-            },
-            node,
-            loaded,
-            plugins,
-        })
-    }
-
-    fn meshed(&self, name: &str) -> Result<Arc<Pod>> {
-        self.node.add_pod_with(
-            name,
-            PodOptions {
-                namespace: NAMESPACE.into(),
-                runtime_config: Some(meshed_runtime_config()),
-                ..Default::default()
-            },
-        )
-    }
-}
-
-/// A network namespace that many pod sandboxes use in turn (one at a time): the CNI chain is run
-/// against it as the runtime would for a new pod, without the cost of a new netns per cycle.
-struct Netns {
-    name: String,
-    path: PathBuf,
-}
-
-impl Netns {
-    fn new(env: &TestEnv, label: &str) -> Result<Self> {
-        let name = format!("sidestep-{}-{label}", env.id());
-        let path = netns::create(&name)?;
-        let ns = Self { name, path };
-        for k in [
-            "net.ipv6.conf.all.accept_dad",
-            "net.ipv6.conf.default.accept_dad",
-        ] {
-            netns::set_sysctl(&ns.path, k, "0")?;
-        }
-        Ok(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        if let Err(e) = netns::delete(&self.name) {
-            eprintln!("churn: deleting netns {}: {e:#}", self.name);
-        }
-    }
-}
-
-/// One pod sandbox's attachment: ADD through the chain, DEL in reverse with the cached result.
-struct Attachment<'a> {
-    cn: &'a ChainNode,
-    ns: &'a Netns,
-    container_id: String,
-    args: String,
-    result: Option<Value>,
-}
-
-impl<'a> Attachment<'a> {
-    fn new(cn: &'a ChainNode, ns: &'a Netns, env: &TestEnv, name: &str) -> Self {
-        let container_id = format!("{}-{name}", env.id());
-        let args = format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE={NAMESPACE};K8S_POD_NAME={name};\
-             K8S_POD_INFRA_CONTAINER_ID={container_id}"
-        );
-        Self {
-            cn,
-            ns,
-            container_id,
-            args,
-            result: None,
-        }
-    }
-
-    fn invocation<'b>(&'b self, command: &'b str, dirs: &'b [PathBuf]) -> Invocation<'b> {
-        Invocation {
-            command,
-            container_id: &self.container_id,
-            netns: &self.ns.path,
-            ifname: "eth0",
-            args: &self.args,
-            plugin_dirs: dirs,
-        }
-    }
-
-    fn add(&mut self) -> Result<()> {
-        let rc = meshed_runtime_config();
-        let dirs = self.cn.node.plugin_dirs();
-        let mut prev: Option<Value> = None;
-        for plugin in &self.cn.plugins {
-            let conf = cni::plugin_conf(self.cn.node.network(), plugin, prev.as_ref(), Some(&rc));
-            let result = cni::exec(&self.invocation("ADD", dirs), &conf)
-                .with_context(|| format!("ADD {}", self.container_id))?;
-            self.result = Some(result.clone());
-            prev = Some(result);
-        }
-        Ok(())
-    }
-
-    fn del(&mut self) -> Result<()> {
-        let rc = meshed_runtime_config();
-        let dirs = self.cn.node.plugin_dirs();
-        let mut errors = Vec::new();
-        for plugin in self.cn.plugins.iter().rev() {
-            let conf = cni::plugin_conf(
-                self.cn.node.network(),
-                plugin,
-                self.result.as_ref(),
-                Some(&rc),
-            );
-            if let Err(e) = cni::exec(&self.invocation("DEL", dirs), &conf) {
-                errors.push(format!("{e:#}"));
-            }
-        }
-        self.result = None;
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            bail!("DEL {}: {}", self.container_id, errors.join("; "))
-        }
-    }
-}
-
-impl Drop for Attachment<'_> {
-    /// A test that fails between ADD and DEL still releases the IP and the enrolment.
-    fn drop(&mut self) {
-        if self.result.is_some()
-            && let Err(e) = self.del()
-        {
-            eprintln!("churn: cleanup: {e:#}");
-        }
-    }
-}
+use state::{expect_no_new_unpinned, foreign_roots, map_entries, objects, open_fds};
+use topology::{Attachment, ChainNode, Netns};
 
 #[test]
 fn add_del_cycles_and_concurrent_adds_end_where_they_started() -> Result<()> {
@@ -543,7 +175,10 @@ fn add_del_cycles_and_concurrent_adds_end_where_they_started() -> Result<()> {
     // Each pod pins a tc link under links/tc/<cookie>/ (two tree entries). bpftool's link list
     // is only checked for having grown: while 64 ADDs settle, its count of tcx and netns links on
     // our programs varied between runs; the end state below is compared exactly.
-    ensure!(during.tc_pins == start.tc_pins + 2 * CONCURRENT, "{during:?}");
+    ensure!(
+        during.tc_pins == start.tc_pins + 2 * CONCURRENT,
+        "{during:?}"
+    );
     ensure!(during.links > start.links, "{during:?}");
     ensure!(during.records == start.records + CONCURRENT, "{during:?}");
     let (del_time, errs) = run_all(&mut atts, false);

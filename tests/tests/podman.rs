@@ -27,12 +27,14 @@ fn enrolled(loaded: &Loaded) -> Result<Vec<u64>> {
         .collect())
 }
 
+/// The state records in `dir`; the invocation log (`timings`) that every call appends to is
+/// not one.
 fn files_in(dir: &std::path::Path) -> Vec<PathBuf> {
     std::fs::read_dir(dir)
         .map(|d| {
             d.flatten()
                 .map(|e| e.path())
-                .filter(|p| p.is_file())
+                .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "json"))
                 .collect()
         })
         .unwrap_or_default()

@@ -11,6 +11,8 @@ const PACKAGES: &[&str] = &[
     "iptables",
     "containernetworking-plugins",
     "podman",
+    // The pause process of `podman pod create`'s locally built infra image; only a Recommends.
+    "catatonit",
     "runc",
     "haproxy",
     "nginx-light",
