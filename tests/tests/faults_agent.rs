@@ -182,9 +182,41 @@ fn agent_killed_at_each_step_of_load_adopt_and_upgrade_converges() -> Result<()>
     a.wait_ready(Duration::from_secs(30))?;
     let fresh = layout(&root)?;
     a.child.kill()?;
+    // A pod the runtime adds while the agent lies dead half-way through a load.
+    let bare = Node::new(&env, NodeOptions::ipv4_only())?;
+    let early = bare.add_pod_with("early", meshed())?;
+    let plugin = Plugin::with_entry(&env, d.entry("10-test.conflist")?);
     for point in LOAD_POINTS {
         sidestep(&["unload", "--pin-root", &root_arg])?;
         killed_at(&env, &args, port, point)?;
+        // Never enrolled into a half-attached data path: "try again later" (CNI code 11)
+        // until every cgroup link is in place.
+        let out = plugin.run("ADD", &early, None)?;
+        let complete = fresh
+            .keys()
+            .filter(|k| !k.starts_with("links/tc") && !k.starts_with("links/sklookup"))
+            .all(|k| root.join(k).exists());
+        eprintln!(
+            "ADD after a kill at {point}: {}",
+            if out.status.success() {
+                "enrolled (load was complete)"
+            } else {
+                "try again later"
+            }
+        );
+        if out.status.success() {
+            ensure!(
+                complete,
+                "ADD succeeded after a kill at {point} with pins missing"
+            );
+            plugin.ok("DEL", &early)?;
+        } else {
+            let err: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+            ensure!(
+                err["code"] == 11 && !complete,
+                "ADD after a kill at {point}: {err}"
+            );
+        }
         let mut a = start(&env, &args, port, None)?;
         a.wait_ready(Duration::from_secs(30))
             .with_context(|| format!("restart after a kill at {point}"))?;

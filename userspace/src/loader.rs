@@ -149,7 +149,8 @@ pub fn load(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
     mounts::ensure_bpffs(&opts.pin_root)?;
     mounts::check_cgroup2_dir(&opts.cgroup)?;
     let layout = PinLayout::new(&opts.pin_root);
-    let upgrading = layout.is_loaded();
+    // Anything pinned (also by a load killed half-way) is adopted: reused, updated, never wiped.
+    let upgrading = layout.links_dir().is_dir();
     let result = load_inner(opts, &layout, upgrading);
     if result.is_err() && !upgrading {
         // A failed first load leaves nothing behind.

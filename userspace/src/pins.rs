@@ -40,9 +40,13 @@ impl PinLayout {
     pub fn cgroup_link(&self, attach_point: &str) -> PathBuf {
         self.links_dir().join(attach_point)
     }
-    /// Whether a load left its programs here: the policy map is pinned last.
+    /// Whether a load finished here: the maps are pinned, and so is the last cgroup link a load
+    /// creates. A load killed half-way does not count, so the plugin answers "try again later"
+    /// instead of enrolling pods into a half-attached data path.
     pub fn is_loaded(&self) -> bool {
-        self.map(sidestep_abi::map_names::POD_POLICY).exists() && self.links_dir().is_dir()
+        let programs = crate::loader::CGROUP_PROGRAMS;
+        let last = programs[programs.len() - 1].attach_point;
+        self.map(sidestep_abi::map_names::POD_POLICY).exists() && self.cgroup_link(last).exists()
     }
 }
 

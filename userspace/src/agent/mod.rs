@@ -142,6 +142,10 @@ impl Agent {
             pod_capacity: settings.pod_capacity,
             object,
         };
+        // Without a pod map, any enrolment the records name is gone from the kernel.
+        let maps_were_pinned = PinLayout::new(&load.pin_root)
+            .map(sidestep_abi::map_names::POD_POLICY)
+            .exists();
         let outcome = loader::load(&load)?;
         sys::failpoint("agent:after-load");
         tracing::info!(
@@ -184,7 +188,7 @@ impl Agent {
             load,
             // Records that outlived their pins (a reboot keeps /var/lib, not bpffs) name pods
             // whose netns may still run.
-            reenrol: AtomicBool::new(outcome == LoadOutcome::Fresh),
+            reenrol: AtomicBool::new(!maps_were_pinned),
         };
         agent.install_binary()?;
         sys::failpoint("agent:after-install");
