@@ -1,8 +1,12 @@
 //! Loading, attaching and pinning the programs, and taking them all away again.
 //!
 //! `load` is also the upgrade path: when links are already pinned, the maps are reused through
-//! their pins and each link is switched to the new program with BPF_LINK_UPDATE, so no moment
-//! exists in which a socket goes uncaptured.
+//! their pins and each link (cgroup, and every pod's tc and sk_lookup link) is switched to the
+//! new program with BPF_LINK_UPDATE, so no moment exists in which a socket goes uncaptured. A
+//! pinned map whose layout differs from the object's stops the load before anything changes.
+//!
+//! Every step is safe to be killed after (the `load:*` and `upgrade:*` failpoints sit between
+//! them): the next load adopts whatever is pinned and finishes the job.
 
 use std::{
     fs,
