@@ -485,6 +485,32 @@ fn agent_repairs_lost_pins_and_reports_damaged_state() -> Result<()> {
     ensure!(enrolled_cookies(&root)?.contains(&half_cookie));
     plugin.ok("DEL", &half)?;
 
+    // A garbage record and the netns gone before DEL: DEL cannot name the cookie (it exits 0
+    // and says so); the kernel can: the pod's tc link lost its interface.
+    let lost = bare.add_pod_with("lost", meshed())?;
+    plugin.ok("ADD", &lost)?;
+    let lost_cookie = lost.netns_cookie()?;
+    std::fs::write(plugin.record_path(&lost), b"\x00garbage")?;
+    bare.remove_pod(&lost)?;
+    let out = plugin.ok("DEL", &lost)?;
+    ensure!(
+        String::from_utf8_lossy(&out.stderr).contains("neither the netns nor the damaged record"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    a.wait_log(
+        "garbage-collected an enrolment no record names",
+        Duration::from_secs(20),
+    )?;
+    ensure!(
+        !enrolled_cookies(&root)?.contains(&lost_cookie)
+            && !pin_root.join(format!("links/tc/{lost_cookie}")).exists()
+            && !pin_root
+                .join(format!("links/sklookup/{lost_cookie}"))
+                .exists(),
+        "the lost pod's enrolment was not collected"
+    );
+
     expect_repair(&env, &pin_root, &mut a, &pod, cookie, 1, || {
         std::fs::remove_dir_all(&pin_root).context("deleting the pins")
     })?;

@@ -89,6 +89,26 @@ pub fn unenroll(pin_root: &Path, cookie: u64) -> Result<bool, ReconcileError> {
     Ok(false)
 }
 
+/// Whether the kernel says a pod's netns is gone though no record says so: the pod had inbound
+/// links and every one lost its interface (a TCX link keeps no ifindex once its device is
+/// destroyed with the netns). A pod without inbound links is never judged this way.
+fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
+    use std::os::fd::AsFd as _;
+    let dir = tc::pod_links_dir(&PinLayout::new(pin_root), cookie);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return false;
+    };
+    let mut any = false;
+    for e in entries.flatten() {
+        let info = crate::sys::obj_get(&e.path()).and_then(|l| crate::sys::link_info(l.as_fd()));
+        match info {
+            Ok(i) if i.link_type == crate::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => any = true,
+            _ => return false,
+        }
+    }
+    any
+}
+
 /// The cookies in the pod map (empty when not loaded).
 pub fn enrolled_cookies(pin_root: &Path) -> BTreeSet<u64> {
     PolicyMaps::open(pin_root)
@@ -334,11 +354,35 @@ pub fn reconcile(
     report.records = records.len().saturating_sub(report.collected.len());
     let enrolled = enrolled_cookies(&s.pin_root);
     let recorded: BTreeSet<u64> = records.values().map(|r| r.netns_cookie).collect();
-    for cookie in enrolled.iter().filter(|c| !recorded.contains(c)) {
-        tracing::warn!(
-            netns_cookie = cookie,
-            "enrolled, but no state record names it (lost or damaged record, or `sidestep enroll` by hand)"
-        );
+    let mut enrolled = enrolled;
+    for cookie in enrolled.clone().into_iter().filter(|c| !recorded.contains(c)) {
+        if live_cookies.contains(&cookie) || !links_say_gone(&s.pin_root, cookie) {
+            tracing::warn!(
+                netns_cookie = cookie,
+                "enrolled, but no state record names it (lost or damaged record, or `sidestep enroll` by hand)"
+            );
+            continue;
+        }
+        match unenroll(&s.pin_root, cookie) {
+            Ok(_) => {
+                tracing::info!(
+                    netns_cookie = cookie,
+                    "garbage-collected an enrolment no record names: its tc links lost their interface, so its netns is gone"
+                );
+                enrolled.remove(&cookie);
+                report.collected.push(Record {
+                    network: String::new(),
+                    container_id: format!("netns cookie {cookie}"),
+                    ifname: String::new(),
+                    netns: std::path::PathBuf::new(),
+                    netns_cookie: cookie,
+                    pod_name: None,
+                    pod_namespace: None,
+                    pin_root: Some(s.pin_root.clone()),
+                });
+            }
+            Err(e) => report.errors.push(e.to_string()),
+        }
     }
     report.enrolled = enrolled.len();
     report.unenrolled = live
