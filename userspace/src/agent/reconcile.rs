@@ -355,7 +355,11 @@ pub fn reconcile(
     let enrolled = enrolled_cookies(&s.pin_root);
     let recorded: BTreeSet<u64> = records.values().map(|r| r.netns_cookie).collect();
     let mut enrolled = enrolled;
-    for cookie in enrolled.clone().into_iter().filter(|c| !recorded.contains(c)) {
+    for cookie in enrolled
+        .clone()
+        .into_iter()
+        .filter(|c| !recorded.contains(c))
+    {
         if live_cookies.contains(&cookie) || !links_say_gone(&s.pin_root, cookie) {
             tracing::warn!(
                 netns_cookie = cookie,
