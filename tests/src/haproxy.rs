@@ -32,6 +32,11 @@ pub struct SidecarConfig {
     pub inbound_port: u16,
     pub uid: u32,
     pub gid: u32,
+    /// TPROXY interception: the inbound backends connect to the app from the client's own
+    /// address (`source 0.0.0.0 usesrc clientip`), not from 127.0.0.6, and HAProxy runs with
+    /// CAP_NET_ADMIN for IP_TRANSPARENT, as a TPROXY sidecar must. HAProxy 2.6 cannot mark that
+    /// socket (Envoy's original_src does); sidestep marks it.
+    pub transparent: bool,
 }
 
 impl Default for SidecarConfig {
@@ -41,6 +46,7 @@ impl Default for SidecarConfig {
             inbound_port: 15006,
             uid: 1337,
             gid: 1337,
+            transparent: false,
         }
     }
 }
@@ -62,8 +68,14 @@ pub fn render_config(cfg: &SidecarConfig, ipv6: bool) -> String {
     let SidecarConfig {
         outbound_port: out,
         inbound_port: inb,
+        transparent,
         ..
     } = *cfg;
+    let (source4, source6) = if transparent {
+        ("0.0.0.0 usesrc clientip", "[::]:0 usesrc clientip")
+    } else {
+        ("127.0.0.6", "[::6]:0")
+    };
     let mut s = format!(
         r#"# sidestep test sidecar. Foreground (-db), no chroot, no pidfile, no user switch:
 # it is started as the proxy UID directly.
@@ -103,7 +115,7 @@ frontend inbound
     default_backend inbound_orig
 
 backend inbound_orig
-    server orig 0.0.0.0:0 source 127.0.0.6
+    server orig 0.0.0.0:0 source {source4}
 "#
     );
     if ipv6 {
@@ -115,7 +127,7 @@ frontend inbound6
     default_backend inbound_orig6
 
 backend inbound_orig6
-    server orig [::]:0 source [::6]:0
+    server orig [::]:0 source {source6}
 "#
         );
     }
@@ -155,13 +167,34 @@ impl Sidecar {
                 String::from_utf8_lossy(&check.stderr)
             );
         }
-        if ipv6 {
+        // A sidecar started again in the same pod finds the address from the first one.
+        if ipv6 && !pod.ip(&["-6", "addr", "show", "dev", "lo"])?.contains("::6/128") {
             netns::add_addr(&pod.netns_name, "lo", "::6/128")?;
         }
-        let mut child = pod.spawn(
-            env,
-            Spawn::new(&["haproxy", "-db", "-f", path_s]).user(cfg.uid, cfg.gid),
-        )?;
+        let (uid, gid) = (cfg.uid.to_string(), cfg.gid.to_string());
+        let transparent_argv = [
+            "setpriv",
+            "--reuid",
+            &uid,
+            "--regid",
+            &gid,
+            "--clear-groups",
+            "--inh-caps",
+            "+net_admin",
+            "--ambient-caps",
+            "+net_admin",
+            "haproxy",
+            "-db",
+            "-f",
+            path_s,
+        ];
+        let plain_argv = ["haproxy", "-db", "-f", path_s];
+        let spawn = if cfg.transparent {
+            Spawn::new(&transparent_argv)
+        } else {
+            Spawn::new(&plain_argv).user(cfg.uid, cfg.gid)
+        };
+        let mut child = pod.spawn(env, spawn)?;
         let mut want: Vec<SocketAddr> = vec![
             SocketAddr::from(([127, 0, 0, 1], cfg.outbound_port)),
             SocketAddr::from(([0, 0, 0, 0], cfg.inbound_port)),
@@ -246,5 +279,13 @@ mod tests {
         assert!(c.contains("use_backend loop_guard if { dst_port 15006 }"));
         let c4 = render_config(&SidecarConfig::default(), false);
         assert!(!c4.contains("::"));
+        let t = SidecarConfig {
+            transparent: true,
+            ..Default::default()
+        };
+        let ct = render_config(&t, true);
+        assert!(ct.contains("source 0.0.0.0 usesrc clientip"));
+        assert!(ct.contains("source [::]:0 usesrc clientip"));
+        assert!(!ct.contains("127.0.0.6"));
     }
 }

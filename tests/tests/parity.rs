@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 use sidestep_tests::{
     Node, NodeOptions, Pod, Spawn, TestEnv,
-    istio_iptables::IstioCapture,
+    istio_iptables::{IstioCapture, Mode},
     netns,
     parity::{Listeners, Names, Oracle, Outcome, outcome, print_uncaptured, render_table},
     sidestep::Loaded,
@@ -128,6 +128,8 @@ enum Set {
     InboundOff,
     /// ISTIO_META_DNS_CAPTURE=true (istio-cni: capture all DNS).
     Dns,
+    /// sidecar.istio.io/interceptionMode: TPROXY.
+    Tproxy,
 }
 
 /// A deliberate difference: sidestep's outcome is asserted to be exactly this, derived from the
@@ -239,6 +241,16 @@ const TABLE: &[Row] = {
         mark(row(Defaults, Src::Node, SelfIp, 8080, BOTH), SkAssign),
         row(Defaults, Src::Node, SelfIp, 15020, V4_ONLY),
 
+        // TPROXY interception: inbound keeps the original destination (no Intended mark: iptables'
+        // TPROXY and sk_assign agree), the hairpin and outbound are as in REDIRECT mode.
+        row(Tproxy, OtherPod, SelfIp, 8080, BOTH),
+        row(Tproxy, OtherPod, SelfIp, 15020, V4_ONLY),
+        row(Tproxy, Src::Node, SelfIp, 8080, V4_ONLY),
+        row(Tproxy, Proxy, SelfIp, 8080, BOTH),
+        row(Tproxy, ProxyBound, SelfIp, 8080, V4_ONLY),
+        row(Tproxy, App, SelfIp, 8080, V4_ONLY),
+        row(Tproxy, App, Peer, 80, BOTH),
+
         // IPv4-first pod: istio has no ip6tables rules. sidestep with --no-ipv6 ...
         row(V4First, App, Peer, 80, ALL3),
         row(V4First, Proxy, SelfIp, 8080, V6_ONLY),
@@ -347,6 +359,7 @@ impl Topology {
             Set::ExcludeInPorts => "exclInPorts=9090",
             Set::InboundOff => "inclInPorts=\"\"",
             Set::Dns => "dnsCapture",
+            Set::Tproxy => "interceptionMode=TPROXY",
         }
     }
 
@@ -401,6 +414,10 @@ impl Topology {
                 dns_capture: true,
                 ..base
             },
+            Set::Tproxy => IstioCapture {
+                mode: Mode::Tproxy,
+                ..base
+            },
         }
     }
 
@@ -444,6 +461,10 @@ fn sidestep_flags(c: &IstioCapture, capture_ipv6: bool) -> Vec<String> {
     opt("--exclude-inbound-ports", &c.exclude_inbound_ports);
     if c.dns_capture {
         f.push("--dns-capture".into());
+    }
+    if c.mode == Mode::Tproxy {
+        f.push("--interception-mode".into());
+        f.push("TPROXY".into());
     }
     if !capture_ipv6 {
         f.push("--no-ipv6".into());
@@ -712,7 +733,7 @@ fn parity_with_istio_iptables() -> Result<()> {
         v
     };
     let mut listeners = Listeners::default();
-    listeners.start(
+    listeners.start_transparent(
         &env,
         probe(),
         Some(&s),

@@ -15,7 +15,7 @@ use crate::{
     netns::Netns,
     pins::PinLayout,
     policy::{MapEntries, Policy},
-    tc,
+    tc, tproxy,
 };
 
 /// What an enrolment wrote, for the caller's state record.
@@ -41,10 +41,26 @@ pub fn enroll(
     let mut maps = PolicyMaps::open(pin_root)?;
     let netns = Netns::open(netns_path)?;
     let netns_cookie = netns.cookie()?;
-    let was_enrolled = maps.pods.get(&netns_cookie, 0).is_ok();
+    let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);
+    let was_enrolled = previous_flags.is_some();
     let entries = policy.to_map_entries(netns_cookie);
-    write_entries(&mut maps, netns_cookie, &entries)?;
+    // TPROXY's return route goes in before the pod entry that starts marking connections.
+    let tproxy_mode = entries.pod.flags & flags::TPROXY != 0;
+    if tproxy_mode {
+        tproxy::configure(&netns, true)?;
+    }
+    if let Err(e) = write_entries(&mut maps, netns_cookie, &entries) {
+        if tproxy_mode && !was_enrolled {
+            let _ = tproxy::configure(&netns, false);
+        }
+        return Err(e.into());
+    }
     crate::sys::failpoint("enroll:after-maps");
+    let undo_tproxy = || {
+        if tproxy_mode && !was_enrolled {
+            let _ = tproxy::configure(&netns, false);
+        }
+    };
     let attached = if entries.pod.flags & flags::INBOUND != 0 {
         match tc::attach_inbound(
             &layout,
@@ -60,6 +76,7 @@ pub fn enroll(
                         let _ = unenroll_cookie(&mut maps, netns_cookie);
                         let _ = tc::detach_inbound(&layout, netns_cookie);
                     }
+                    undo_tproxy();
                     return Err(e.into());
                 }
                 a.into_iter().map(|(name, _)| name).collect()
@@ -69,6 +86,7 @@ pub fn enroll(
                     let _ = unenroll_cookie(&mut maps, netns_cookie);
                     let _ = tc::detach_inbound(&layout, netns_cookie);
                 }
+                undo_tproxy();
                 return Err(e);
             }
         }
@@ -76,6 +94,13 @@ pub fn enroll(
         tc::detach_inbound(&layout, netns_cookie)?;
         Vec::new()
     };
+    if !tproxy_mode
+        && previous_flags.is_some_and(|f| f & flags::TPROXY != 0)
+        && let Err(e) = tproxy::configure(&netns, false)
+    {
+        // Harmless if left: only TPROXY-marked packets take that route.
+        tracing::warn!("re-enrolled in REDIRECT mode, but the TPROXY route stays: {e}");
+    }
     Ok(Enrolled {
         netns_cookie,
         entries,
@@ -260,9 +285,20 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
 }
 
 /// Unenrols the netns at `netns_path`: its map entries and its tc links.
+/// A TPROXY pod also loses its return route; [`unenroll_by_cookie`] cannot reach the netns, and
+/// leaves the route to die with it.
 pub fn unenroll(pin_root: &Path, netns_path: &Path) -> Result<bool, EnrollError> {
-    let netns_cookie = Netns::open(netns_path)?.cookie()?;
-    unenroll_by_cookie(pin_root, netns_cookie)
+    let netns = Netns::open(netns_path)?;
+    let netns_cookie = netns.cookie()?;
+    let tproxy_mode = PolicyMaps::open(pin_root)?
+        .pods
+        .get(&netns_cookie, 0)
+        .is_ok_and(|p| p.flags & flags::TPROXY != 0);
+    let was = unenroll_by_cookie(pin_root, netns_cookie)?;
+    if tproxy_mode {
+        tproxy::configure(&netns, false)?;
+    }
+    Ok(was)
 }
 
 /// Unenrols by cookie, for callers whose netns may already be gone.

@@ -141,6 +141,8 @@ pub enum EnrollError {
     Policy(#[from] PolicyError),
     #[error(transparent)]
     Pins(#[from] LoadError),
+    #[error(transparent)]
+    Tproxy(#[from] crate::tproxy::TproxyError),
     #[error("cannot create {path}: {source}")]
     StateDir { path: PathBuf, source: io::Error },
     #[error(

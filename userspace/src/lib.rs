@@ -13,3 +13,4 @@ pub mod policy;
 pub mod status;
 pub mod sys;
 pub mod tc;
+pub mod tproxy;

@@ -73,6 +73,12 @@ pub mod defaults {
     pub const TUNNEL_PORT: u16 = 15008;
     /// Inbound ports that Istio never captures whatever the annotations say.
     pub const ALWAYS_EXCLUDED_INBOUND: [u16; 4] = [15008, 15020, 15021, 15090];
+    /// TPROXY mode: the mark on the proxy's transparent connections to its app (Istio's
+    /// InboundTProxyMark). The app's replies carry it too, and the pod's policy route
+    /// (`fwmark 1337 lookup 133`, `local default dev lo table 133`) brings them back to the proxy.
+    pub const TPROXY_MARK: u32 = 1337;
+    /// TPROXY mode: the routing table of that policy route (Istio's InboundTProxyRouteTable).
+    pub const TPROXY_ROUTE_TABLE: u32 = 133;
 }
 
 /// `PodPolicy::flags` bits.
@@ -170,6 +176,9 @@ pub mod redirect_kind {
     pub const OUTBOUND: u16 = 1;
     pub const INBOUND: u16 = 2;
     pub const DNS: u16 = 3;
+    /// Not redirected: the TPROXY-mode proxy's transparent connection to its app, recorded so
+    /// that sk_lookup recognises its SYN (a foreign source arriving over lo) and leaves it alone.
+    pub const TPROXY_PASSTHROUGH: u16 = 4;
 }
 
 /// What the socket's peer really was before sidestep redirected it.
@@ -267,6 +276,8 @@ pub mod linux {
     pub const SOCK_DGRAM: u32 = 2;
     pub const IPPROTO_TCP: u32 = 6;
     pub const IPPROTO_UDP: u32 = 17;
+    pub const SOL_SOCKET: i32 = 1;
+    pub const SO_MARK: i32 = 36;
 }
 
 /// The IPv4-mapped IPv6 form of an IPv4 address given in network byte order.

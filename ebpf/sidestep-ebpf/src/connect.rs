@@ -5,11 +5,15 @@
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_get_current_uid_gid, generated::bpf_get_netns_cookie},
+    bindings::bpf_sock,
+    helpers::{
+        bpf_get_current_uid_gid,
+        generated::{bpf_get_netns_cookie, bpf_setsockopt},
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use sidestep_abi::{OrigDst, linux, socket_side, v4_mapped};
+use sidestep_abi::{OrigDst, defaults, linux, redirect_kind, socket_side, v4_mapped};
 
 use crate::{
     context::{load, load_ip6, store, store_ip6},
@@ -70,13 +74,14 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     if sk.is_null() {
         return true;
     }
-    // SAFETY: `sk` is the kernel's full socket for this call; src fields are 4-byte reads.
-    let bound_src = unsafe {
-        if ipv6 {
+    // SAFETY: `sk` is the kernel's full socket for this call; src fields and mark are 4-byte reads.
+    let (bound_src, mark) = unsafe {
+        let src = if ipv6 {
             load_ip6(&raw const (*sk).src_ip6)
         } else {
             v4_mapped(load(&raw const (*sk).src_ip4))
-        }
+        };
+        (src, load(&raw const (*sk).mark))
     };
     let uid_gid = bpf_get_current_uid_gid();
     let decision = Connect {
@@ -88,13 +93,18 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         dst_port: u16::from_be(dst_port_be),
         bound_src,
         protocol,
+        mark,
     };
-    let verdict = policy::outbound_verdict(&decision);
-    if verdict.is_pass() {
+    let tproxy_passthrough = policy::is_tproxy_passthrough(&decision);
+    let Verdict { port, kind } = if tproxy_passthrough {
+        Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH)
+    } else {
+        policy::outbound_verdict(&decision)
+    };
+    if (Verdict { port, kind }).is_pass() {
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
         return true;
     }
-    let Verdict { port, kind } = verdict;
     let v4 = sidestep_abi::is_v4_mapped(&dst);
     let mut orig = OrigDst {
         addr: dst,
@@ -113,6 +123,13 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     }
     // SAFETY: non-null storage owned by this socket; a reused socket (UDP) gets the new value.
     unsafe { *stored = orig };
+    if tproxy_passthrough {
+        // Kept as it is: the storage only lets sockops publish the 4-tuple for sk_lookup.
+        // SAFETY: `sk` is the full socket checked above.
+        unsafe { mark_tproxy(ctx, sk) };
+        policy::count(netns_cookie, |c| c.passed_outbound += 1);
+        return true;
+    }
     // SAFETY: writable fields of a connect program's context, written one word at a time.
     unsafe {
         if !ipv6 {
@@ -130,4 +147,31 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         policy::count(netns_cookie, |c| c.redirected_outbound += 1);
     }
     true
+}
+
+/// Gives the proxy's transparent socket the TPROXY mark before its SYN is routed, unless the
+/// proxy marked it already (Envoy's original_src does). With `tcp_fwmark_accept` set in the pod,
+/// the app's accepted socket inherits the mark, so its replies take the policy route to `lo`.
+///
+/// # Safety
+/// `sk` must be the full socket of this connect program's context.
+#[inline(always)]
+unsafe fn mark_tproxy(ctx: &SockAddrContext, sk: *mut bpf_sock) {
+    // SAFETY: `mark` is a 4-byte readable field of bpf_sock.
+    if unsafe { load(&raw const (*sk).mark) } != 0 {
+        return;
+    }
+    let mut mark = defaults::TPROXY_MARK;
+    // SAFETY: connect programs may call bpf_setsockopt; the option value is 4 bytes on our stack.
+    // A failure leaves the connection unmarked: its replies then miss the proxy and it fails,
+    // which is what Istio's rules give a proxy that does not mark its socket.
+    unsafe {
+        bpf_setsockopt(
+            ctx.as_ptr(),
+            linux::SOL_SOCKET,
+            linux::SO_MARK,
+            (&raw mut mark).cast(),
+            4,
+        )
+    };
 }

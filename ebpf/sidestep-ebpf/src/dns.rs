@@ -98,6 +98,7 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         dst_port: 53,
         bound_src,
         protocol: linux::IPPROTO_UDP,
+        mark: 0,
     });
     if verdict.kind != redirect_kind::DNS {
         return;

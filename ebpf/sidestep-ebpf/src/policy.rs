@@ -150,6 +150,28 @@ pub struct Connect<'a> {
     /// Address the socket is already bound to (all zero when unbound).
     pub bound_src: [u32; 4],
     pub protocol: u32,
+    /// The socket's SO_MARK (only connect reads it; setting it takes CAP_NET_ADMIN).
+    pub mark: u32,
+}
+
+/// TPROXY mode: the proxy's transparent connection to its own app, from a socket bound to the
+/// remote client's address (IP_TRANSPARENT). It is never captured, and it needs the TPROXY mark
+/// so that the app's replies route back to the proxy. istio-iptables sends it through its nat
+/// hairpin rule when the proxy runs as its UID, which breaks it; an Envoy running as root gets
+/// past that rule and marks its socket itself. Only the proxy's UID or GID, or a socket already
+/// carrying the TPROXY mark (which takes CAP_NET_ADMIN to set), qualifies: an app bound to a
+/// foreign address with IP_FREEBIND must not gain a spoofed connection to its pod.
+#[inline(always)]
+pub fn is_tproxy_passthrough(c: &Connect) -> bool {
+    let p = c.policy;
+    p.flags & flags::TPROXY != 0
+        && c.protocol == linux::IPPROTO_TCP
+        && (c.uid == p.proxy_uid || c.gid == p.proxy_gid || c.mark == defaults::TPROXY_MARK)
+        && !is_unspecified(&c.bound_src)
+        && !is_loopback(&c.bound_src)
+        && !is_passthrough_source(&c.bound_src)
+        && is_pod_address(c.netns_cookie, &c.dst)
+        && !is_pod_address(c.netns_cookie, &c.bound_src)
 }
 
 /// istio-iptables' nat OUTPUT chain (ISTIO_OUTPUT), first match wins; see ISTIO-CAPTURE.md.

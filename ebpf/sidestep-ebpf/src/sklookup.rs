@@ -10,7 +10,8 @@ use aya_ebpf::{
     programs::SkLookupContext,
 };
 use sidestep_abi::{
-    InterfaceKey, ListenerKey, OrigDst, TupleKey, linux, redirect_kind, socket_side, v4_mapped,
+    InterfaceKey, ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, socket_side,
+    v4_mapped,
 };
 
 use crate::{
@@ -76,6 +77,24 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         return SK_PASS;
     };
     let port = local_port as u16;
+    let remote_port = u16::from_be(remote_port as u16);
+    let pending = TupleKey {
+        netns_cookie,
+        client_addr: remote,
+        server_addr: local,
+        client_port: remote_port,
+        server_port: port,
+        _reserved: 0,
+    };
+    // TPROXY: the proxy's own transparent connection to its app, from the client's address. Its
+    // SYN comes over lo, but the kernel reports the pod interface as its ingress.
+    // SAFETY: the value is read at once.
+    if pod.flags & flags::TPROXY != 0
+        && unsafe { SIDESTEP_PEND.get(pending) }
+            .is_some_and(|o| o.kind == redirect_kind::TPROXY_PASSTHROUGH)
+    {
+        return SK_PASS;
+    }
     if port == pod.inbound_port || !captures_port(netns_cookie, &pod, port) {
         return SK_PASS;
     }
@@ -94,15 +113,6 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         // Captured, but no proxy listens: refuse rather than deliver around the proxy.
         return SK_DROP;
     }
-    let remote_port = u16::from_be(remote_port as u16);
-    let pending = TupleKey {
-        netns_cookie,
-        client_addr: remote,
-        server_addr: local,
-        client_port: remote_port,
-        server_port: port,
-        _reserved: 0,
-    };
     let orig = OrigDst {
         addr: local,
         port_be: port.to_be(),

@@ -256,10 +256,14 @@ fn relay(client: TcpStream, upstream: SocketAddr) {
 }
 
 /// A listening socket on `addr`; an IPv6 one accepts only IPv6 under `v6only`.
-fn listen(addr: SocketAddr, v6only: bool) -> std::io::Result<TcpListener> {
+fn listen(addr: SocketAddr, v6only: bool, transparent: bool) -> std::io::Result<TcpListener> {
     let sock = tcp_socket(addr, 0)?;
     let fd = sock.as_raw_fd();
     set_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    // iptables' TPROXY target drops packets for a listener without IP_TRANSPARENT.
+    if transparent {
+        set_int(fd, libc::SOL_IP, libc::IP_TRANSPARENT, 1)?;
+    }
     if addr.is_ipv6() {
         set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, i32::from(v6only))?;
     }
@@ -303,10 +307,16 @@ fn serve(listener: TcpListener, name: String, report: String, forward: bool) {
     }
 }
 
-fn proxy(addrs: &[SocketAddr], report: &str, forward: bool, v6only: bool) -> i32 {
+fn proxy(
+    addrs: &[SocketAddr],
+    report: &str,
+    forward: bool,
+    v6only: bool,
+    transparent: bool,
+) -> i32 {
     let mut listeners = Vec::new();
     for addr in addrs {
-        match listen(*addr, v6only) {
+        match listen(*addr, v6only, transparent) {
             Ok(l) => listeners.push((l, addr.to_string())),
             Err(e) => {
                 eprintln!("probe: bind {addr}: {e}");
@@ -665,7 +675,7 @@ fn raw() -> i32 {
 fn origdst_echo(addrs: &[SocketAddr]) -> i32 {
     let mut listeners = Vec::new();
     for addr in addrs {
-        match listen(*addr, true) {
+        match listen(*addr, true, false) {
             Ok(l) => listeners.push(l),
             Err(e) => {
                 eprintln!("probe: bind {addr}: {e}");
@@ -785,7 +795,7 @@ fn connect_many(addr: SocketAddr, n: u64, threads: u64, ports: u64, deadline: Du
 /// `probe hold ADDR`: accept connections and keep each open, echoing what it sends, until the
 /// peer closes. Prints {"accepted":PEER} and {"closed":PEER} lines.
 fn hold(addr: SocketAddr) -> i32 {
-    let listener = match listen(addr, true) {
+    let listener = match listen(addr, true, false) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("probe: bind {addr}: {e}");
@@ -855,6 +865,7 @@ fn main() {
                 args.get(2).expect("report path"),
                 !flag("--no-forward"),
                 flag("--v6only"),
+                flag("--transparent"),
             )
         }
         Some("tfo") => tfo(addr(1), option("--data").unwrap_or("probe-tfo")),

@@ -178,13 +178,66 @@ impl Listeners {
         addrs: &[SocketAddr],
         label: fn(u16) -> String,
     ) -> Result<()> {
+        self.start_as(env, probe, pod, (uid, gid, false), addrs, label)
+    }
+
+    /// As [`Self::start`], with IP_TRANSPARENT listeners and CAP_NET_ADMIN kept for `uid`, as a
+    /// proxy in TPROXY interception mode runs (iptables' TPROXY target drops packets for other
+    /// listeners). A transparent listener behaves as any other for REDIRECT and sk_assign.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_transparent(
+        &mut self,
+        env: &TestEnv,
+        probe: &str,
+        pod: Option<&Pod>,
+        uid: u32,
+        gid: u32,
+        addrs: &[SocketAddr],
+        label: fn(u16) -> String,
+    ) -> Result<()> {
+        self.start_as(env, probe, pod, (uid, gid, true), addrs, label)
+    }
+
+    fn start_as(
+        &mut self,
+        env: &TestEnv,
+        probe: &str,
+        pod: Option<&Pod>,
+        (uid, gid, transparent): (u32, u32, bool),
+        addrs: &[SocketAddr],
+        label: fn(u16) -> String,
+    ) -> Result<()> {
         let list = addrs
             .iter()
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let argv = [probe, "proxy", &list, "-", "--no-forward", "--v6only"];
-        let spec = Spawn::new(&argv).user(uid, gid);
+        let (uid_s, gid_s) = (uid.to_string(), gid.to_string());
+        let plain = [probe, "proxy", &list, "-", "--no-forward", "--v6only"];
+        let with_caps = [
+            "setpriv",
+            "--reuid",
+            &uid_s,
+            "--regid",
+            &gid_s,
+            "--clear-groups",
+            "--inh-caps",
+            "+net_admin",
+            "--ambient-caps",
+            "+net_admin",
+            probe,
+            "proxy",
+            &list,
+            "-",
+            "--no-forward",
+            "--v6only",
+            "--transparent",
+        ];
+        let spec = if transparent {
+            Spawn::new(&with_caps)
+        } else {
+            Spawn::new(&plain).user(uid, gid)
+        };
         let mut guard = match pod {
             Some(p) => p.spawn(env, spec)?,
             None => env.spawn(spec)?,

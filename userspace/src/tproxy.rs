@@ -1,0 +1,197 @@
+//! TPROXY interception mode: the pod-side routing that lets the proxy reach its app from the
+//! remote client's own address, so that the app sees the real client (Istio's TPROXY mode).
+//!
+//! Inbound capture is the same `bpf_sk_assign` as in REDIRECT mode. What TPROXY adds is the way
+//! back: the proxy's transparent upstream socket is bound to the client's address, so the app's
+//! replies to that address would leave through the pod's interface. istio-iptables fixes that with
+//! a connmark; sidestep needs no conntrack:
+//! - connect4/6 mark the proxy's transparent socket with [`defaults::TPROXY_MARK`];
+//! - `net.ipv4.tcp_fwmark_accept` (it covers IPv6 too) makes the app's accepted socket, and so
+//!   every reply including the SYN-ACK, carry the mark of the SYN that created it;
+//! - `ip rule fwmark 1337 lookup 133` and `ip route add local default dev lo table 133` (both
+//!   families, as istio's `tproxy.ConfigureRoutes`) deliver marked packets locally, where the
+//!   proxy's transparent socket takes them.
+//!
+//! Connections from outside the pod never carry a mark (it is scrubbed when a packet changes
+//! netns), so `tcp_fwmark_accept` changes nothing for them.
+
+use std::{fs, io, path::Path};
+
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
+};
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    route::{RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType},
+    rule::{RuleAction, RuleAttribute, RuleMessage},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use sidestep_abi::defaults::{TPROXY_MARK, TPROXY_ROUTE_TABLE};
+
+use crate::netns::Netns;
+
+const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
+/// Present when the netns has IPv6.
+const IPV6_CONF: &str = "/proc/sys/net/ipv6";
+/// `lo` is always interface 1 of a network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TproxyError {
+    #[error("TPROXY routing of network namespace {netns}: {step}: {source}")]
+    Route {
+        netns: String,
+        step: String,
+        source: io::Error,
+    },
+}
+
+/// Installs (`on`) or removes the TPROXY routing of the netns. Both are idempotent, so a repeated
+/// ADD, or a re-enrolment that switches the pod to REDIRECT, converges.
+pub fn configure(netns: &Netns, on: bool) -> Result<(), TproxyError> {
+    let failed = |step: &str, source: io::Error| TproxyError::Route {
+        netns: netns.path().display().to_string(),
+        step: step.into(),
+        source,
+    };
+    let outcome = netns.run(|| {
+        let families = if Path::new(IPV6_CONF).exists() {
+            &[AddressFamily::Inet, AddressFamily::Inet6][..]
+        } else {
+            &[AddressFamily::Inet][..]
+        };
+        Ok(apply(on, families).err())
+    });
+    match outcome {
+        Ok(None) => Ok(()),
+        Ok(Some((step, source))) => Err(failed(step, source)),
+        Err(e) => Err(failed("enter the netns", io::Error::other(e.to_string()))),
+    }
+}
+
+/// The steps in order; the first failure names its step. Removal clears the sysctl first so that
+/// no new connection is marked for a route that is about to go.
+fn apply(on: bool, families: &[AddressFamily]) -> Result<(), (&'static str, io::Error)> {
+    let at = |step: &'static str| move |e: io::Error| (step, e);
+    let mut rtnl = Rtnl::open().map_err(at("open a netlink socket"))?;
+    if on {
+        for &family in families {
+            rtnl.route(family, true).map_err(at("add route table 133"))?;
+            rtnl.rule(family, true).map_err(at("add rule fwmark 1337"))?;
+        }
+        fs::write(FWMARK_ACCEPT, "1\n").map_err(at("set tcp_fwmark_accept"))?;
+    } else {
+        fs::write(FWMARK_ACCEPT, "0\n").map_err(at("clear tcp_fwmark_accept"))?;
+        for &family in families {
+            rtnl.rule(family, false).map_err(at("delete rule fwmark 1337"))?;
+            rtnl.route(family, false).map_err(at("delete route table 133"))?;
+        }
+    }
+    Ok(())
+}
+
+/// A NETLINK_ROUTE socket of the calling thread's netns.
+struct Rtnl {
+    socket: Socket,
+    seq: u32,
+}
+
+impl Rtnl {
+    fn open() -> io::Result<Self> {
+        let mut socket = Socket::new(NETLINK_ROUTE)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(Self { socket, seq: 0 })
+    }
+
+    /// `ip rule {add,del} fwmark 1337 lookup 133`.
+    fn rule(&mut self, family: AddressFamily, add: bool) -> io::Result<()> {
+        let mut msg = RuleMessage::default();
+        msg.header.family = family;
+        msg.header.action = RuleAction::ToTable;
+        msg.header.table = TPROXY_ROUTE_TABLE as u8;
+        msg.attributes = vec![
+            RuleAttribute::FwMark(TPROXY_MARK),
+            RuleAttribute::Table(TPROXY_ROUTE_TABLE),
+        ];
+        let request = if add {
+            RouteNetlinkMessage::NewRule(msg)
+        } else {
+            RouteNetlinkMessage::DelRule(msg)
+        };
+        self.request(request, add)
+    }
+
+    /// `ip route {add,del} local default dev lo table 133`.
+    fn route(&mut self, family: AddressFamily, add: bool) -> io::Result<()> {
+        let mut msg = RouteMessage::default();
+        msg.header.address_family = family;
+        msg.header.table = TPROXY_ROUTE_TABLE as u8;
+        msg.header.protocol = RouteProtocol::Boot;
+        msg.header.scope = RouteScope::Host;
+        msg.header.kind = RouteType::Local;
+        msg.attributes = vec![
+            RouteAttribute::Table(TPROXY_ROUTE_TABLE),
+            RouteAttribute::Oif(LOOPBACK_IFINDEX),
+        ];
+        let request = if add {
+            RouteNetlinkMessage::NewRoute(msg)
+        } else {
+            RouteNetlinkMessage::DelRoute(msg)
+        };
+        self.request(request, add)
+    }
+
+    /// Sends one request and waits for its acknowledgement. An add of what exists, or a delete
+    /// of what is gone, counts as done.
+    fn request(&mut self, message: RouteNetlinkMessage, add: bool) -> io::Result<()> {
+        self.seq += 1;
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        if add {
+            header.flags |= NLM_F_CREATE | NLM_F_EXCL;
+        }
+        header.sequence_number = self.seq;
+        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        self.socket.send(&buf, 0)?;
+        let mut reply = vec![0; 8192];
+        loop {
+            let n = self.socket.recv(&mut &mut reply[..], 0)?;
+            let mut offset = 0;
+            while offset < n {
+                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                let len = msg.header.length as usize;
+                if msg.header.sequence_number == self.seq
+                    && let NetlinkPayload::Error(err) = msg.payload
+                {
+                    return match err.code {
+                        None => Ok(()),
+                        Some(code) => {
+                            let errno = -code.get();
+                            let benign = if add {
+                                errno == libc::EEXIST
+                            } else {
+                                errno == libc::ENOENT || errno == libc::ESRCH
+                            };
+                            // An IPv6-less kernel refuses the family; there is nothing to route.
+                            if benign || errno == libc::EAFNOSUPPORT {
+                                Ok(())
+                            } else {
+                                Err(io::Error::from_raw_os_error(errno))
+                            }
+                        }
+                    };
+                }
+                if len == 0 {
+                    break;
+                }
+                offset += len;
+            }
+        }
+    }
+}
