@@ -120,6 +120,15 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
         "peer: {line}"
     );
 
+    // One count per captured connection: tc's own socket lookups run the pod's sk_lookup
+    // program nested inside them, and that run must neither steer nor count the SYN again.
+    let before = counter(&loaded, &server, "redirected_inbound")?;
+    for _ in 0..5 {
+        outsider.run(&env, APP_UID, &[probe(), "connect", &target.to_string()])?;
+    }
+    let counted = counter(&loaded, &server, "redirected_inbound")? - before;
+    ensure!(counted == 5, "5 inbound connections counted {counted} times");
+
     // Unenrolled, the server is reachable directly again and its tc link is gone.
     loaded.unenroll(&server)?;
     let status = loaded.status()?;
