@@ -2,7 +2,10 @@
 //! the pins under `pin_root`); tests substitute a fake to exercise rollback and idempotence
 //! without BPF.
 
-use std::path::{Path, PathBuf};
+use std::{
+    cell::RefCell,
+    path::{Path, PathBuf},
+};
 
 use sidestep::{
     enroll::{self, Enrolled},
@@ -37,15 +40,27 @@ pub trait Dataplane {
     fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Pinned {
     pin_root: PathBuf,
+    /// The netns [`Dataplane::netns_cookie`] opened, kept for the enrolment that follows in the
+    /// same ADD: reading a cookie costs a thread that enters the netns, and one is enough.
+    opened: RefCell<Option<Netns>>,
 }
 
 impl Pinned {
     pub fn new(pin_root: impl Into<PathBuf>) -> Self {
         Self {
             pin_root: pin_root.into(),
+            opened: RefCell::new(None),
+        }
+    }
+
+    /// The netns at `path`, reused when it is the one opened last.
+    fn open_netns(&self, path: &Path) -> Result<Netns, NetnsError> {
+        match self.opened.borrow_mut().take() {
+            Some(ns) if ns.path() == path => Ok(ns),
+            _ => Netns::open(path),
         }
     }
 }
@@ -60,11 +75,24 @@ impl Dataplane for Pinned {
     }
 
     fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError> {
-        Netns::open(netns)?.cookie()
+        let ns = self.open_netns(netns)?;
+        let cookie = ns.cookie()?;
+        *self.opened.borrow_mut() = Some(ns);
+        Ok(cookie)
     }
 
     fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
-        enroll::enroll(&self.pin_root, netns, policy, Some(&[ifname.to_owned()]))
+        // The same order of checks as enroll::enroll: policy, maps, then the netns.
+        policy.validate()?;
+        let maps = PolicyMaps::open(&self.pin_root)?;
+        let ns = self.open_netns(netns)?;
+        enroll::enroll_netns(
+            &self.pin_root,
+            maps,
+            &ns,
+            policy,
+            Some(&[ifname.to_owned()]),
+        )
     }
 
     fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {

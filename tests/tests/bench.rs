@@ -9,7 +9,9 @@ use std::fs;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use sidestep_tests::bench::{self, Config, report::SVG_NAME};
+use sidestep_tests::bench::{self, Config, report::SVG_NAME, sections};
+use sidestep_tests::env::TestEnv;
+use sidestep_tests::sidestep::Loaded;
 use sidestep_tests::skip_unless_root;
 
 #[test]
@@ -19,6 +21,13 @@ fn bench() -> Result<()> {
         return Ok(());
     }
     let cfg = Config::from_env();
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    let md = docs.join("BENCHMARKS.md");
+    match std::env::var(bench::MODE_ENV).as_deref() {
+        Ok("cni") => return only_section(&cfg, &md, sections::CNI),
+        Ok("scale") => return only_section(&cfg, &md, sections::SCALE),
+        _ => {}
+    }
     eprintln!(
         "bench: {} run, {} rounds of {} s per run",
         if cfg.quick { "quick" } else { "full" },
@@ -26,8 +35,6 @@ fn bench() -> Result<()> {
         cfg.run_secs
     );
     let report = bench::run(&cfg)?;
-    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
-    let md = docs.join("BENCHMARKS.md");
     fs::write(&md, report.markdown()).with_context(|| format!("write {}", md.display()))?;
     let svg = docs.join(SVG_NAME);
     fs::write(&svg, report.svg()).with_context(|| format!("write {}", svg.display()))?;
@@ -43,5 +50,32 @@ fn bench() -> Result<()> {
             report.missing.join(", ")
         );
     }
+    Ok(())
+}
+
+/// One mode alone (`cargo xtask bench cni|scale`): its section of BENCHMARKS.md is replaced and
+/// the rest of the page, from the last full run, is kept.
+fn only_section(cfg: &Config, md: &Path, id: &str) -> Result<()> {
+    let t = std::time::Instant::now();
+    let date = bench::sysinfo::SysInfo::collect(cfg.quick).date;
+    let body = if id == sections::CNI {
+        let env = TestEnv::new("bench-cni")?;
+        let loaded = Loaded::load(&env)?;
+        let c = bench::cni::run(&env, loaded.pin_root(), cfg.cni_runs)?;
+        drop(loaded);
+        sections::cni_section(&c, &date)
+    } else {
+        let s = bench::scale::run(&cfg.scale_levels, cfg.scale_samples, cfg.scale_conns)?;
+        sections::scale_section(&s, &date, cfg.quick)
+    };
+    eprintln!("{body}");
+    let page = fs::read_to_string(md).unwrap_or_else(|_| "# Benchmarks\n".into());
+    fs::write(md, sections::splice(&page, id, &body))
+        .with_context(|| format!("write {}", md.display()))?;
+    eprintln!(
+        "bench: {id}: wrote its section of {} ({:.0} s)",
+        md.display(),
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }

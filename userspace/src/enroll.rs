@@ -37,9 +37,22 @@ pub fn enroll(
     interfaces: Option<&[String]>,
 ) -> Result<Enrolled, EnrollError> {
     policy.validate()?;
-    let layout = PinLayout::new(pin_root);
-    let mut maps = PolicyMaps::open(pin_root)?;
+    let maps = PolicyMaps::open(pin_root)?;
     let netns = Netns::open(netns_path)?;
+    enroll_netns(pin_root, maps, &netns, policy, interfaces)
+}
+
+/// [`enroll`] for a caller that already holds the netns (and maybe its cookie) and the maps,
+/// so an ADD opens each once.
+pub fn enroll_netns(
+    pin_root: &Path,
+    mut maps: PolicyMaps,
+    netns: &Netns,
+    policy: &Policy,
+    interfaces: Option<&[String]>,
+) -> Result<Enrolled, EnrollError> {
+    policy.validate()?;
+    let layout = PinLayout::new(pin_root);
     let netns_cookie = netns.cookie()?;
     let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);
     let was_enrolled = previous_flags.is_some();
@@ -47,24 +60,24 @@ pub fn enroll(
     // TPROXY's return route goes in before the pod entry that starts marking connections.
     let tproxy_mode = entries.pod.flags & flags::TPROXY != 0;
     if tproxy_mode {
-        tproxy::configure(&netns, true)?;
+        tproxy::configure(netns, true)?;
     }
     if let Err(e) = write_entries(&mut maps, netns_cookie, &entries) {
         if tproxy_mode && !was_enrolled {
-            let _ = tproxy::configure(&netns, false);
+            let _ = tproxy::configure(netns, false);
         }
         return Err(e.into());
     }
     crate::sys::failpoint("enroll:after-maps");
     let undo_tproxy = || {
         if tproxy_mode && !was_enrolled {
-            let _ = tproxy::configure(&netns, false);
+            let _ = tproxy::configure(netns, false);
         }
     };
     let attached = if entries.pod.flags & flags::INBOUND != 0 {
         match tc::attach_inbound(
             &layout,
-            &netns,
+            netns,
             netns_cookie,
             interfaces,
             &policy.exclude_interfaces,
@@ -96,7 +109,7 @@ pub fn enroll(
     };
     if !tproxy_mode
         && previous_flags.is_some_and(|f| f & flags::TPROXY != 0)
-        && let Err(e) = tproxy::configure(&netns, false)
+        && let Err(e) = tproxy::configure(netns, false)
     {
         // Harmless if left: only TPROXY-marked packets take that route.
         tracing::warn!("re-enrolled in REDIRECT mode, but the TPROXY route stays: {e}");

@@ -23,6 +23,8 @@ const SO_NETNS_COOKIE: libc::c_int = 71;
 pub struct Netns {
     path: PathBuf,
     file: File,
+    /// Read once: each read costs a thread that enters the netns.
+    cookie: std::sync::OnceLock<u64>,
 }
 
 impl Netns {
@@ -42,6 +44,7 @@ impl Netns {
         let netns = Self {
             path: path.to_path_buf(),
             file,
+            cookie: std::sync::OnceLock::new(),
         };
         if netns.is_host()? {
             return Err(NetnsError::HostNetns(path.to_path_buf()));
@@ -100,13 +103,18 @@ impl Netns {
     }
 
     /// The netns cookie (SO_NETNS_COOKIE), the key of every per-pod map entry.
+    /// A netns keeps its cookie for its whole life, so it is read once per handle.
     pub fn cookie(&self) -> Result<u64, NetnsError> {
-        self.run(socket_netns_cookie).map_err(|e| match e {
+        if let Some(c) = self.cookie.get() {
+            return Ok(*c);
+        }
+        let c = self.run(socket_netns_cookie).map_err(|e| match e {
             NetnsError::Enter { path, source } if source.raw_os_error().is_some() => {
                 NetnsError::Cookie { path, source }
             }
             other => other,
-        })
+        })?;
+        Ok(*self.cookie.get_or_init(|| c))
     }
 }
 

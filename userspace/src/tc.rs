@@ -7,7 +7,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::programs::{SchedClassifier, TcAttachType, links::FdLink, tc};
+use aya::{
+    programs::{SchedClassifier, TcAttachType, links::FdLink, tc},
+    util::KernelVersion,
+};
 use sidestep_abi::program_names;
 
 use crate::{
@@ -63,6 +66,7 @@ pub fn attach_inbound(
             None => interfaces_here()?,
         };
         let mut prog = SchedClassifier::from_pin(&prog_path).map_err(std::io::Error::other)?;
+        let tcx = has_tcx();
         let mut attached = Vec::new();
         for name in names.into_iter().filter(|n| !excluded.contains(n)) {
             let pin = dir_in.join(&name);
@@ -70,7 +74,10 @@ pub fn attach_inbound(
                 detach_links_under_file(&pin);
             }
             // Kernels before 6.6 have no TCX; aya then attaches through netlink and needs clsact.
-            if let Err(e) = tc::qdisc_add_clsact(&name)
+            // With TCX the qdisc is not used, and adding it costs a netlink round trip and, on a
+            // fresh interface, a qdisc graft, in every ADD.
+            if !tcx
+                && let Err(e) = tc::qdisc_add_clsact(&name)
                 && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
                 && !matches!(&e, tc::TcError::NetlinkError(_))
             {
@@ -112,6 +119,12 @@ pub fn attach_inbound(
             Err(e.into())
         }
     }
+}
+
+/// Whether aya attaches tc programs as TCX links here (it does from kernel 6.6 on, by the same
+/// version test).
+fn has_tcx() -> bool {
+    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
 fn detach_links_under_file(pin: &std::path::Path) {

@@ -57,6 +57,10 @@ enum Task {
         /// Short runs, for checking that the benchmark works.
         #[arg(long)]
         quick: bool,
+        /// Only this mode (`cni`: ADD/DEL against the iptables install; `scale`: 1, 100 and
+        /// 1,000 pods); it rewrites its own section of docs/BENCHMARKS.md. Default: everything.
+        #[arg(value_parser = ["cni", "scale"])]
+        mode: Option<String>,
     },
     /// Build the fuzz targets (nightly) and run each in turn for a bounded time, at nice 19.
     Fuzz {
@@ -94,7 +98,7 @@ fn run(task: Task) -> Result<ExitCode> {
         }
         Task::Test { lint, cargo_args } => return tasks::test(lint, &cargo_args),
         Task::Demo => return tasks::demo(),
-        Task::Bench { quick } => return tasks::bench(quick),
+        Task::Bench { quick, mode } => return tasks::bench(quick, mode.as_deref()),
         Task::Fuzz { seconds, target } => return fuzz::run(seconds, target.as_deref()),
     }
     Ok(ExitCode::SUCCESS)

@@ -62,12 +62,15 @@ pub fn demo() -> Result<ExitCode> {
     Ok(exit_code(status))
 }
 
-pub fn bench(quick: bool) -> Result<ExitCode> {
+pub fn bench(quick: bool, mode: Option<&str>) -> Result<ExitCode> {
     setup::full(false)?;
     let object = build::workspace(true)?;
     let mut cargo = build::workspace_cargo(&object).env("SIDESTEP_BIN_DIR", paths::bin_dir(true));
     if quick {
         cargo = cargo.env("SIDESTEP_BENCH_QUICK", "1");
+    }
+    if let Some(mode) = mode {
+        cargo = cargo.env("SIDESTEP_BENCH_MODE", mode);
     }
     let status = cargo
         .args([

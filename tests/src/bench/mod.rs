@@ -15,11 +15,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 
 pub mod bpfstats;
+pub mod cni;
 pub mod enrol;
 pub mod haproxy_cfg;
 pub mod measure;
 pub mod netstat;
 pub mod report;
+pub mod scale;
+pub mod sections;
 pub mod stats;
 pub mod sysinfo;
 pub mod topology;
@@ -30,6 +33,8 @@ pub use report::Report;
 
 /// Set to `1` for the short run (`cargo xtask bench --quick`).
 pub const QUICK_ENV: &str = "SIDESTEP_BENCH_QUICK";
+/// `cni` or `scale` to run only that mode (`cargo xtask bench cni`); anything else: all.
+pub const MODE_ENV: &str = "SIDESTEP_BENCH_MODE";
 
 /// The modes, in the order of the tables. sk_msg acceleration (issue 6, mode 5) does not exist
 /// yet.
@@ -107,6 +112,14 @@ pub struct Config {
     pub keepalive_conns: u32,
     /// wrk connections, one-connection-per-request workload.
     pub close_conns: u32,
+    /// Timed runs of each CNI operation (ADD, DEL, each iptables install).
+    pub cni_runs: usize,
+    /// Pods enrolled at each scale level.
+    pub scale_levels: Vec<usize>,
+    /// Timed ADDs per scale level.
+    pub scale_samples: usize,
+    /// Connections of the per-level connection loop.
+    pub scale_conns: u64,
 }
 
 impl Config {
@@ -120,6 +133,10 @@ impl Config {
             bpf_stats_secs: 1,
             keepalive_conns: 64,
             close_conns: 16,
+            cni_runs: 40,
+            scale_levels: vec![1, 20, 100],
+            scale_samples: 20,
+            scale_conns: 300,
         }
     }
 
@@ -133,6 +150,10 @@ impl Config {
             bpf_stats_secs: 5,
             keepalive_conns: 64,
             close_conns: 16,
+            cni_runs: 200,
+            scale_levels: vec![1, 100, 1000],
+            scale_samples: 101,
+            scale_conns: 2000,
         }
     }
 
@@ -152,6 +173,8 @@ pub struct Timings {
     pub rounds: Duration,
     pub bpf_stats: Duration,
     pub enrol: Duration,
+    pub cni: Duration,
+    pub scale: Duration,
     pub total: Duration,
 }
 
@@ -465,9 +488,28 @@ pub fn run(cfg: &Config) -> Result<Report> {
     };
     timings.enrol = t_enrol.elapsed();
 
+    // On the sidestep lane's programs: a node that already has pods.
+    let t_cni = Instant::now();
+    let cni = cni::run(&env, topo.loaded.pin_root(), cfg.cni_runs)
+        .map_err(|e| {
+            eprintln!("bench: cni: {e:#}");
+            notes.push(format!("CNI benchmark failed: {e:#}"));
+        })
+        .ok();
+    timings.cni = t_cni.elapsed();
+
     drop(topo);
     drop(ss_env);
     drop(env);
+
+    let t_scale = Instant::now();
+    let scale = scale::run(&cfg.scale_levels, cfg.scale_samples, cfg.scale_conns)
+        .map_err(|e| {
+            eprintln!("bench: scale: {e:#}");
+            notes.push(format!("Scale benchmark failed: {e:#}"));
+        })
+        .ok();
+    timings.scale = t_scale.elapsed();
     timings.total = t0.elapsed();
     let sys_end = sysinfo::SysInfo::collect(cfg.quick);
 
@@ -489,6 +531,8 @@ pub fn run(cfg: &Config) -> Result<Report> {
         tw_control,
         bpf,
         enrol,
+        cni,
+        scale,
         timings,
         notes,
         missing,

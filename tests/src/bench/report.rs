@@ -23,6 +23,8 @@ pub struct Report {
     pub tw_control: TwControl,
     pub bpf: Option<BpfCost>,
     pub enrol: EnrolResult,
+    pub cni: Option<super::cni::CniBench>,
+    pub scale: Option<super::scale::ScaleResult>,
     pub timings: Timings,
     /// Failed runs, wrk errors and the like.
     pub notes: Vec<String>,
@@ -356,6 +358,22 @@ impl Report {
         self.health_section(&mut o);
         self.bpf_section(&mut o);
         self.enrol_section(&mut o);
+        let mut o = o.trim_end().to_owned();
+        if let Some(c) = &self.cni {
+            o = super::sections::splice(
+                &o,
+                super::sections::CNI,
+                &super::sections::cni_section(c, &self.sys.date),
+            );
+        }
+        if let Some(s) = &self.scale {
+            o = super::sections::splice(
+                &o,
+                super::sections::SCALE,
+                &super::sections::scale_section(s, &self.sys.date, self.config.quick),
+            );
+        }
+        o.push_str("\n\n");
         self.method(&mut o);
         self.notes_section(&mut o);
         self.raw(&mut o);
@@ -1008,6 +1026,8 @@ mod tests {
                 iptables_ms: vec![10.0, 12.0],
                 ruleset_lines: 30,
             },
+            cni: None,
+            scale: None,
             timings: Timings::default(),
             notes: vec!["a <note>".into()],
             missing: Vec::new(),

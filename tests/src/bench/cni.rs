@@ -1,0 +1,324 @@
+//! `cargo xtask bench cni`: sidestep-cni ADD and DEL as whole process invocations against
+//! installing Istio's default ruleset with `iptables-restore` + `ip6tables-restore`, in one
+//! interleaved run.
+//!
+//! Both sides are timed the same way: from just before the spawn to the exit of the process
+//! (for Istio, the sum of its two processes), with stdin written from a pipe, as a runtime
+//! hands a plugin its config and as istio-cni hands iptables-restore its rules. Each run gets a
+//! fresh network namespace (lo, and a veth `eth0` whose peer stays inside, with an address),
+//! made and deleted outside the timed part for both sides. The plugin gets the environment and
+//! stdin a Kubernetes runtime gives it: CNI_* variables, K8S_* args, a prevResult naming the
+//! interface and address, and the pod annotations in runtimeConfig, so it reads no API.
+//!
+//! Both iptables back ends are measured, nf_tables (what `iptables-restore` is on this machine
+//! and what current Istio picks on such a host) and legacy, and the target is judged against
+//! the faster of the two.
+
+use std::io::Write as _;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::env::TestEnv;
+use crate::istio_iptables::IstioCapture;
+use crate::netns;
+use crate::sidestep::bin_dir;
+
+/// Annotations of a pod that Istio's injector has processed (what the runtime passes in
+/// runtimeConfig with the `io.kubernetes.cri.pod-annotations` capability).
+pub fn injected_annotations() -> Value {
+    json!({
+        "sidecar.istio.io/status": "{\"initContainers\":null,\"containers\":[\"istio-proxy\"],\"volumes\":[\"istio-envoy\"],\"imagePullSecrets\":null,\"revision\":\"default\"}",
+        "kubectl.kubernetes.io/default-container": "app",
+        "prometheus.io/scrape": "true",
+    })
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CniBench {
+    /// Milliseconds per sidestep-cni ADD (enrolled: maps, tc, sk_lookup, record).
+    pub add_ms: Vec<f64>,
+    /// Milliseconds per sidestep-cni DEL of that attachment.
+    pub del_ms: Vec<f64>,
+    /// Milliseconds per Istio install with iptables-nft-restore + ip6tables-nft-restore.
+    pub nft_ms: Vec<f64>,
+    /// The same with the legacy back end.
+    pub legacy_ms: Vec<f64>,
+    /// Milliseconds per `sidestep-cni` VERSION: the plugin's process start-up floor.
+    pub version_ms: Vec<f64>,
+    /// Rule lines (v4, v6) of the installed ruleset.
+    pub rule_lines: (usize, usize),
+    /// File system type of the plugin's state directory (its fsync cost depends on it).
+    pub state_fs: String,
+}
+
+/// A throwaway netns `sidestep-<env id>-<tag>-<n>` (so the crate's sweep removes it if this
+/// process dies), deleted on drop.
+pub struct FreshNetns {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+impl FreshNetns {
+    /// lo up, and a veth `eth0` (peer `peer0`, both inside the netns, so no host interface is
+    /// touched) with `cidr`. Two `ip` processes: `netns add`, then one batch.
+    pub fn new(env: &TestEnv, tag: &str, n: usize, cidr: &str) -> Result<Self> {
+        let name = format!("sidestep-{}-{tag}-{n}", env.id());
+        let path = netns::create(&name)?;
+        let ns = Self { name, path };
+        let batch = format!(
+            "link set lo up\nlink add eth0 type veth peer name peer0\nlink set peer0 up\n\
+             addr add {cidr} dev eth0\nlink set eth0 up\n"
+        );
+        let mut child = Command::new("ip")
+            .args(["-n", &ns.name, "-b", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawn ip -b")?;
+        child
+            .stdin
+            .take()
+            .context("ip stdin")?
+            .write_all(batch.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "ip -n {} -b: {}",
+                ns.name,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(ns)
+    }
+}
+
+impl Drop for FreshNetns {
+    fn drop(&mut self) {
+        if let Err(e) = netns::delete(&self.name) {
+            eprintln!("bench: deleting netns {}: {e:#}", self.name);
+        }
+    }
+}
+
+/// setns(2) into a network namespace; for `pre_exec`.
+fn setns_net(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: plain system call on an integer fd and a flag; no memory is passed.
+    if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Spawns `c` with `stdin` on a pipe and waits for it; the time from spawn to exit. `netns`:
+/// the child joins it between fork and exec (as istio-cni runs iptables-restore).
+pub fn timed(mut c: Command, stdin: &[u8], netns: Option<&Path>) -> Result<(Duration, Value)> {
+    let ns = netns
+        .map(|p| std::fs::File::open(p).with_context(|| format!("open {}", p.display())))
+        .transpose()?;
+    if let Some(fd) = ns.as_ref().map(AsRawFd::as_raw_fd) {
+        // SAFETY: the hook runs in the forked child before exec and only calls setns(2), which
+        // is async-signal-safe, on `fd`, which stays open in the parent until the child exits.
+        unsafe {
+            c.pre_exec(move || setns_net(fd));
+        }
+    }
+    c.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let t = Instant::now();
+    let mut child = c.spawn().with_context(|| format!("spawn {c:?}"))?;
+    // A config or a ruleset is a few KiB: the pipe takes it whole before the child reads.
+    child.stdin.take().context("stdin")?.write_all(stdin)?;
+    let out = child.wait_with_output()?;
+    let took = t.elapsed();
+    drop(ns);
+    if !out.status.success() {
+        bail!(
+            "{c:?} failed ({}): {} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    Ok((took, v))
+}
+
+/// One sidestep-cni invocation, as a Kubernetes runtime makes it.
+pub struct PluginCall<'a> {
+    pub pin_root: &'a Path,
+    pub state_dir: &'a Path,
+    pub netns: &'a Path,
+    pub container_id: &'a str,
+    pub pod: &'a str,
+    /// The address (CIDR) prevResult reports for eth0.
+    pub cidr: &'a str,
+}
+
+impl PluginCall<'_> {
+    pub fn stdin(&self) -> Vec<u8> {
+        let conf = json!({
+            "cniVersion": "1.0.0",
+            "name": "bench",
+            "type": "sidestep",
+            "pin_root": self.pin_root,
+            "state_dir": self.state_dir,
+            "log_level": "warn",
+            "capabilities": {"io.kubernetes.cri.pod-annotations": true},
+            "runtimeConfig": {"io.kubernetes.cri.pod-annotations": injected_annotations()},
+            "prevResult": {
+                "cniVersion": "1.0.0",
+                "interfaces": [{"name": "eth0", "sandbox": self.netns}],
+                "ips": [{"address": self.cidr, "interface": 0}],
+            },
+        });
+        serde_json::to_vec(&conf).expect("JSON")
+    }
+
+    pub fn command(&self, cni_command: &str) -> Command {
+        let mut c = Command::new(bin_dir().join("sidestep-cni"));
+        c.env_clear()
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
+            .env("CNI_COMMAND", cni_command)
+            .env("CNI_CONTAINERID", self.container_id)
+            .env("CNI_NETNS", self.netns)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", "/opt/cni/bin:/usr/lib/cni")
+            .env(
+                "CNI_ARGS",
+                format!(
+                    "IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME={};\
+                     K8S_POD_INFRA_CONTAINER_ID={}",
+                    self.pod, self.container_id
+                ),
+            );
+        c
+    }
+
+    /// Runs `cni_command` (ADD, DEL) and returns its wall time.
+    pub fn run(&self, cni_command: &str) -> Result<Duration> {
+        let (d, out) = timed(self.command(cni_command), &self.stdin(), None)?;
+        if cni_command == "ADD" && out.get("interfaces").is_none() {
+            bail!("sidestep-cni ADD printed no result: {out}");
+        }
+        Ok(d)
+    }
+}
+
+/// A 64-hex container ID, as containerd makes them.
+pub fn container_id(tag: &str, n: usize) -> String {
+    let seed = format!("{tag}{n}");
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut out = String::new();
+    for i in 0..4u64 {
+        for b in seed.bytes().chain(i.to_le_bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        out.push_str(&format!("{h:016x}"));
+    }
+    out
+}
+
+fn fs_type(path: &Path) -> String {
+    Command::new("stat")
+        .args(["-f", "-c", "%T"])
+        .arg(path)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn restore_pair(netns: &Path, variant: &str, v4: &[u8], v6: &[u8]) -> Result<Duration> {
+    let mut total = Duration::ZERO;
+    for (tool, rules) in [("iptables", v4), ("ip6tables", v6)] {
+        let mut c = Command::new(format!("{tool}-{variant}-restore"));
+        c.args(["--noflush", "-w", "5"]);
+        total += timed(c, rules, Some(netns))?.0;
+    }
+    Ok(total)
+}
+
+/// `runs` timed runs of each of ADD, DEL, nft install, legacy install (after two untimed
+/// warm-up rounds), rotating their order every round.
+pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
+    let istio = IstioCapture {
+        ipv6: true,
+        ..IstioCapture::default()
+    };
+    let v4 = istio.iptables_restore_v4();
+    let v6 = istio.iptables_restore_v6();
+    let lines = |s: &str| s.lines().filter(|l| !l.trim().is_empty()).count();
+    let state_dir = env.tmp_dir().join("cni-state");
+    std::fs::create_dir_all(&state_dir)?;
+    let mut res = CniBench {
+        rule_lines: (lines(&v4), lines(&v6)),
+        state_fs: fs_type(&state_dir),
+        ..CniBench::default()
+    };
+    let cidr = "100.64.0.2/16";
+    let warmup = 2;
+    let mut n = 0;
+    for round in 0..runs + warmup {
+        let timed_round = round >= warmup;
+        for k in 0..3 {
+            n += 1;
+            let ns = FreshNetns::new(env, "cni", n, cidr)?;
+            match (round + k) % 3 {
+                0 => {
+                    let cid = container_id("cni", n);
+                    let pod = format!("pod-{n}");
+                    let call = PluginCall {
+                        pin_root,
+                        state_dir: &state_dir,
+                        netns: &ns.path,
+                        container_id: &cid,
+                        pod: &pod,
+                        cidr,
+                    };
+                    let add = call.run("ADD").context("sidestep-cni ADD")?;
+                    let del = call.run("DEL").context("sidestep-cni DEL")?;
+                    if timed_round {
+                        res.add_ms.push(add.as_secs_f64() * 1e3);
+                        res.del_ms.push(del.as_secs_f64() * 1e3);
+                    }
+                }
+                1 => {
+                    let d = restore_pair(&ns.path, "nft", v4.as_bytes(), v6.as_bytes())?;
+                    if timed_round {
+                        res.nft_ms.push(d.as_secs_f64() * 1e3);
+                    }
+                }
+                _ => {
+                    let d = restore_pair(&ns.path, "legacy", v4.as_bytes(), v6.as_bytes())?;
+                    if timed_round {
+                        res.legacy_ms.push(d.as_secs_f64() * 1e3);
+                    }
+                }
+            }
+            drop(ns);
+        }
+        let mut c = Command::new(bin_dir().join("sidestep-cni"));
+        c.env_clear().env("CNI_COMMAND", "VERSION");
+        let (d, _) = timed(c, b"{\"cniVersion\":\"1.0.0\"}", None)?;
+        if timed_round {
+            res.version_ms.push(d.as_secs_f64() * 1e3);
+        }
+    }
+    eprintln!(
+        "bench: cni: {} ADD/DEL, {} nft and {} legacy installs",
+        res.add_ms.len(),
+        res.nft_ms.len(),
+        res.legacy_ms.len()
+    );
+    Ok(res)
+}
