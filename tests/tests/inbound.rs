@@ -55,6 +55,20 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
     ensure!(http_get(&env, &client, APP_UID, &v4)? == body);
     // The server's proxy logged the original destination it forwarded to.
     server_proxy.wait_log(&[&format!("{}:80", server.ipv4)], Duration::from_secs(5))?;
+    // One count per captured connection, meshed and not: tc's own socket lookups run the pod's
+    // sk_lookup program nested inside them, and that run must neither steer nor count again.
+    for from in [&client, &outsider] {
+        let before = counter(&loaded, &server, "redirected_inbound")?;
+        for _ in 0..5 {
+            ensure!(http_get(&env, from, APP_UID, &v4)? == body);
+        }
+        let counted = counter(&loaded, &server, "redirected_inbound")? - before;
+        ensure!(
+            counted == 5,
+            "5 connections from {} counted {counted} times",
+            from.name
+        );
+    }
     // nginx sees Istio's inbound passthrough source.
     let log = web.access_log();
     ensure!(log.contains("127.0.0.6"), "nginx log: {log}");
@@ -119,15 +133,6 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
             .starts_with(&outsider.ipv4.to_string()),
         "peer: {line}"
     );
-
-    // One count per captured connection: tc's own socket lookups run the pod's sk_lookup
-    // program nested inside them, and that run must neither steer nor count the SYN again.
-    let before = counter(&loaded, &server, "redirected_inbound")?;
-    for _ in 0..5 {
-        outsider.run(&env, APP_UID, &[probe(), "connect", &target.to_string()])?;
-    }
-    let counted = counter(&loaded, &server, "redirected_inbound")? - before;
-    ensure!(counted == 5, "5 inbound connections counted {counted} times");
 
     // Unenrolled, the server is reachable directly again and its tc link is gone.
     loaded.unenroll(&server)?;

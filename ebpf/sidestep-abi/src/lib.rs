@@ -18,7 +18,9 @@ pub mod map_names {
     pub const SOCKETS: &str = "SIDESTEP_SOCKS";
     pub const LISTENERS: &str = "SIDESTEP_LSTN";
     pub const INTERFACES: &str = "SIDESTEP_IFACES";
-    pub const ALL: [&str; 10] = [
+    pub const NESTED_LOOKUP: &str = "SIDESTEP_NEST";
+    pub const ALL: [&str; 11] = [
+        NESTED_LOOKUP,
         LISTENERS,
         INTERFACES,
         SOCKETS,

@@ -18,7 +18,7 @@ use sidestep_abi::{
 };
 
 use crate::{
-    maps::{SIDESTEP_ADDRS, SIDESTEP_PEND},
+    maps::{SIDESTEP_ADDRS, SIDESTEP_NEST, SIDESTEP_PEND},
     policy::{self, port_listed},
 };
 
@@ -205,6 +205,11 @@ fn socket_tuple(seg: &Segment, dst_port_be: u16) -> bpf_sock_tuple {
 #[inline(always)]
 fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<*mut bpf_sock> {
     let size = if ipv6 { 36 } else { 12 };
+    let nested = SIDESTEP_NEST.get_ptr_mut(0);
+    if let Some(flag) = nested {
+        // SAFETY: this CPU's slot; the nested sk_lookup run reads it on the same CPU.
+        unsafe { *flag = 1 };
+    }
     // SAFETY: `tuple` is a valid bpf_sock_tuple of at least `size` bytes.
     let sk = unsafe {
         bpf_skc_lookup_tcp(
@@ -215,6 +220,10 @@ fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<*mu
             0,
         )
     };
+    if let Some(flag) = nested {
+        // SAFETY: as above.
+        unsafe { *flag = 0 };
+    }
     (!sk.is_null()).then_some(sk)
 }
 

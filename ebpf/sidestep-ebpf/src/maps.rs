@@ -1,7 +1,7 @@
 //! Every map the programs share. BTF map definitions, so `bpftool map dump` prints field names.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage, SockHash},
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, SkStorage, SockHash},
     macros::btf_map,
 };
 use sidestep_abi::{
@@ -54,6 +54,12 @@ pub static SIDESTEP_LSTN: SockHash<ListenerKey, { capacity::PODS as usize * 2 }>
 #[btf_map]
 pub static SIDESTEP_IFACES: HashMap<InterfaceKey, u8, { capacity::INTERFACES as usize }> =
     HashMap::new();
+
+/// Per CPU: non-zero while tc ingress runs its own socket lookups. bpf_skc_lookup_tcp falls back
+/// to a listener lookup, which runs the pod's sk_lookup program inside tc's call; that nested run
+/// must not steer or count the SYN a second time (tc decides it).
+#[btf_map]
+pub static SIDESTEP_NEST: PerCpuArray<u32, 1> = PerCpuArray::new();
 
 /// Looks up (and with `init`, creates) the original destination stored on any socket pointer the
 /// verifier accepts for sk_storage: the `sk` of a sock_addr, sock_ops or sockopt context.

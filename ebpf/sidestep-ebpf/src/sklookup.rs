@@ -17,7 +17,7 @@ use sidestep_abi::{
 use crate::{
     context::{load, load_ip6},
     inbound::captures_port,
-    maps::{SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_PEND},
+    maps::{SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_PEND},
     policy,
 };
 
@@ -43,6 +43,10 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     };
     // Only TCP from outside the pod: over lo come the proxy's own hand-offs to the app.
     if protocol != linux::IPPROTO_TCP || ifindex == LOOPBACK_IFINDEX {
+        return SK_PASS;
+    }
+    // Called inside tc ingress's own socket lookup: tc decides that SYN.
+    if SIDESTEP_NEST.get(0).is_some_and(|nested| *nested != 0) {
         return SK_PASS;
     }
     let v4 = family == u32::from(linux::AF_INET);
