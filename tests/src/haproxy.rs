@@ -168,7 +168,11 @@ impl Sidecar {
             );
         }
         // A sidecar started again in the same pod finds the address from the first one.
-        if ipv6 && !pod.ip(&["-6", "addr", "show", "dev", "lo"])?.contains("::6/128") {
+        if ipv6
+            && !pod
+                .ip(&["-6", "addr", "show", "dev", "lo"])?
+                .contains("::6/128")
+        {
             netns::add_addr(&pod.netns_name, "lo", "::6/128")?;
         }
         let (uid, gid) = (cfg.uid.to_string(), cfg.gid.to_string());

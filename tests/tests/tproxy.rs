@@ -197,7 +197,10 @@ fn tproxy_mode_matches_istios_ruleset_and_fixes_its_uid_hairpin() -> Result<()> 
     println!("envoy-like, sidestep: {ours:?}");
     println!("haproxy uid 1337, istio:    {istio_uid_proxy:?}");
     println!("haproxy uid 1337, sidestep: {ours_uid_proxy:?}");
-    ensure!(istio == want, "Istio's ruleset gave {istio:?}, want {want:?}");
+    ensure!(
+        istio == want,
+        "Istio's ruleset gave {istio:?}, want {want:?}"
+    );
     ensure!(ours == istio, "sidestep {ours:?} != Istio {istio:?}");
     ensure!(
         istio_uid_proxy.is_err(),

@@ -77,15 +77,19 @@ fn apply(on: bool, families: &[AddressFamily]) -> Result<(), (&'static str, io::
     let mut rtnl = Rtnl::open().map_err(at("open a netlink socket"))?;
     if on {
         for &family in families {
-            rtnl.route(family, true).map_err(at("add route table 133"))?;
-            rtnl.rule(family, true).map_err(at("add rule fwmark 1337"))?;
+            rtnl.route(family, true)
+                .map_err(at("add route table 133"))?;
+            rtnl.rule(family, true)
+                .map_err(at("add rule fwmark 1337"))?;
         }
         fs::write(FWMARK_ACCEPT, "1\n").map_err(at("set tcp_fwmark_accept"))?;
     } else {
         fs::write(FWMARK_ACCEPT, "0\n").map_err(at("clear tcp_fwmark_accept"))?;
         for &family in families {
-            rtnl.rule(family, false).map_err(at("delete rule fwmark 1337"))?;
-            rtnl.route(family, false).map_err(at("delete route table 133"))?;
+            rtnl.rule(family, false)
+                .map_err(at("delete rule fwmark 1337"))?;
+            rtnl.route(family, false)
+                .map_err(at("delete route table 133"))?;
         }
     }
     Ok(())

@@ -13,13 +13,17 @@ use std::{
 };
 
 use nix::sys::socket::{
-    AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, listen, setsockopt,
-    socket,
+    AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, listen, setsockopt, socket,
     sockopt::{IpTransparent, Ipv6V6Only, Mark, ReuseAddr},
 };
 
 fn tcp_socket(family: AddressFamily) -> io::Result<std::os::fd::OwnedFd> {
-    Ok(socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?)
+    Ok(socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
 }
 
 fn family_of(addr: &SocketAddr) -> AddressFamily {
@@ -37,7 +41,10 @@ fn transparent_listener(addr: SocketAddr) -> io::Result<TcpListener> {
     if addr.is_ipv6() {
         setsockopt(&fd, Ipv6V6Only, &true)?;
     }
-    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(addr))?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(addr),
+    )?;
     listen(&fd, nix::sys::socket::Backlog::new(128)?)?;
     Ok(TcpListener::from(fd))
 }
