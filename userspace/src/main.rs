@@ -256,6 +256,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Status { pin_root, json } => {
+            // The pins are root-only: without access every pin would look absent, and "not
+            // loaded" would be a lie.
+            if let Err(e) = std::fs::read_dir(&pin_root)
+                && e.kind() == std::io::ErrorKind::PermissionDenied
+            {
+                anyhow::bail!(
+                    "cannot read the pin root {}: {e}; its pins are root-only, run `sidestep status` as root",
+                    pin_root.display()
+                );
+            }
             let s = status::collect(&pin_root);
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
