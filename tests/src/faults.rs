@@ -26,18 +26,28 @@ pub const POD_MAPS: [&str; 6] = [
     "SIDESTEP_IFACES",
 ];
 
+/// `bpftool ARGS --json`. A whole-system walk (`link show`, `prog show`) fails now and then when
+/// another process removes an object under it, so a failure is retried twice.
 pub fn bpftool(args: &[&str]) -> Result<Value> {
-    let out = Command::new("bpftool")
-        .args(args)
-        .arg("--json")
-        .output()
-        .context("running bpftool")?;
-    ensure!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).with_context(|| format!("bpftool {args:?} output"))
+    let mut attempt = 0;
+    loop {
+        let out = Command::new("bpftool")
+            .args(args)
+            .arg("--json")
+            .output()
+            .context("running bpftool")?;
+        attempt += 1;
+        if out.status.success() {
+            return serde_json::from_slice(&out.stdout)
+                .with_context(|| format!("bpftool {args:?} output"));
+        }
+        ensure!(
+            attempt < 3,
+            "bpftool {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Everything a pod's enrolment consists of.

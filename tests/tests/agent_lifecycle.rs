@@ -17,15 +17,7 @@ use sidestep_tests::{Node, NodeOptions, TestEnv, haproxy, http_get, nginx, skip_
 /// The node the test's pods run on, as the API knows it.
 const NODE: &str = "node-1";
 
-fn bpftool(args: &[&str]) -> Result<Value> {
-    let out = Command::new("bpftool").arg("-j").args(args).output()?;
-    ensure!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(serde_json::from_slice(&out.stdout).unwrap_or(Value::Null))
-}
+use sidestep_tests::faults::bpftool;
 
 /// IDs of the links pinned under the env's pin root.
 fn pinned_links(env: &TestEnv) -> Result<BTreeSet<u64>> {

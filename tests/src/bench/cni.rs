@@ -55,6 +55,10 @@ pub struct CniBench {
     pub rule_lines: (usize, usize),
     /// File system type of the plugin's state directory (its fsync cost depends on it).
     pub state_fs: String,
+    /// From a separate pass under strace (untimed): ms the kernel spent in the TCX attach of
+    /// each ADD, and in the link detaches (tc and sk_lookup) of each DEL. Empty without strace.
+    pub tcx_attach_ms: Vec<f64>,
+    pub tcx_detach_ms: Vec<f64>,
 }
 
 /// A throwaway netns `sidestep-<env id>-<tag>-<n>` (so the crate's sweep removes it if this
@@ -205,6 +209,31 @@ impl PluginCall<'_> {
         c
     }
 
+    /// Runs `cni_command` under `strace -f -T -e trace=bpf` and returns the durations (ms) of
+    /// the bpf(2) calls whose line contains `what`.
+    pub fn bpf_call_ms(&self, cni_command: &str, what: &str, out: &Path) -> Result<Vec<f64>> {
+        let inner = self.command(cni_command);
+        let mut c = Command::new("strace");
+        c.args(["-f", "-T", "-e", "trace=bpf", "-o"]).arg(out);
+        c.arg(inner.get_program()).args(inner.get_args());
+        c.env_clear();
+        for (k, v) in inner.get_envs() {
+            if let Some(v) = v {
+                c.env(k, v);
+            }
+        }
+        timed(c, &self.stdin(), None)?;
+        let text = std::fs::read_to_string(out)?;
+        Ok(text
+            .lines()
+            .filter(|l| l.contains(what))
+            .filter_map(|l| {
+                let t = l.rsplit_once('<')?.1.strip_suffix('>')?;
+                t.parse::<f64>().ok().map(|s| s * 1e3)
+            })
+            .collect())
+    }
+
     /// Runs `cni_command` (ADD, DEL) and returns its wall time.
     pub fn run(&self, cni_command: &str) -> Result<Duration> {
         let (d, out) = timed(self.command(cni_command), &self.stdin(), None)?;
@@ -227,6 +256,11 @@ pub fn container_id(tag: &str, n: usize) -> String {
         out.push_str(&format!("{h:016x}"));
     }
     out
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
 }
 
 fn fs_type(path: &Path) -> String {
@@ -312,6 +346,36 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
         let (d, _) = timed(c, b"{\"cniVersion\":\"1.0.0\"}", None)?;
         if timed_round {
             res.version_ms.push(d.as_secs_f64() * 1e3);
+        }
+    }
+    if on_path("strace") {
+        let out = env.tmp_dir().join("cni-strace.txt");
+        for i in 0..20 {
+            n += 1;
+            let ns = FreshNetns::new(env, "cni", n, cidr)?;
+            let cid = container_id("cnis", i);
+            let call = PluginCall {
+                pin_root,
+                state_dir: &state_dir,
+                netns: &ns.path,
+                container_id: &cid,
+                pod: "strace",
+                cidr,
+            };
+            // TCX_INGRESS is attach type 46; strace prints it as a number or by name.
+            let attach = call.bpf_call_ms("ADD", "BPF_LINK_CREATE", &out)?;
+            let text = std::fs::read_to_string(&out)?;
+            let tcx: Vec<f64> = text
+                .lines()
+                .filter(|l| l.contains("BPF_LINK_CREATE"))
+                .zip(attach)
+                .filter(|(l, _)| l.contains("attach_type=0x2e") || l.contains("TCX_INGRESS"))
+                .map(|(_, ms)| ms)
+                .collect();
+            res.tcx_attach_ms.extend(tcx);
+            // Per DEL: its tc and sk_lookup detaches together.
+            let detach = call.bpf_call_ms("DEL", "BPF_LINK_DETACH", &out)?;
+            res.tcx_detach_ms.push(detach.iter().sum());
         }
     }
     eprintln!(

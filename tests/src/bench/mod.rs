@@ -152,7 +152,7 @@ impl Config {
             close_conns: 16,
             cni_runs: 200,
             scale_levels: vec![1, 100, 1000],
-            scale_samples: 101,
+            scale_samples: 150,
             scale_conns: 2000,
         }
     }

@@ -1,19 +1,25 @@
 //! `cargo xtask bench scale`: ADD latency, per-connection cost and map memory with 1, 100 and
-//! 1,000 pods enrolled on the node.
+//! 1,000 pods enrolled.
 //!
-//! Background pods are netns only (lo, and a veth `eth0` with its own address), each enrolled
-//! through sidestep-cni exactly as the `cni` mode does it. At each level:
-//! - `samples` further ADDs, each on a fresh netns, timed as whole processes, each followed by
-//!   its DEL (timed too), so the level stays put; level N means N pods enrolled including the
-//!   one being added;
-//! - one pod runs a new-connection loop (`probe connect-many` as an app UID, against `probe
-//!   origdst-echo` on the capture port as the proxy UID), with `kernel.bpf_stats_enabled` on:
-//!   connect4 and sockops run time per call, and the loop's wall time per connection;
-//! - the memory the kernel charges for the maps (`bpftool map show`, bytes_memlock, summed over
-//!   the pin root's maps).
+//! Each level is a node of its own: its own cgroup, pin root and loaded programs, with N-1
+//! background pods (netns only: lo, and a veth `eth0` with its own address) enrolled through
+//! sidestep-cni exactly as the `cni` mode does it. All levels exist at once, so their samples
+//! can be interleaved (rotating order every round) and see the same machine noise; on this
+//! shared 2-core machine, levels measured one after another differed by more than the effect
+//! looked for. Per round and level:
+//! - one further ADD on a fresh netns, timed as a whole process, then its DEL (timed too), so
+//!   the level stays put; level N means N pods enrolled including the one being added;
+//! then, interleaved the same way, `windows` new-connection loops per level (`probe
+//! connect-many` as an app UID, against `probe origdst-echo` on the capture port as the proxy
+//! UID) with `kernel.bpf_stats_enabled` on: connect4 and sockops run time per call, and the
+//! loop's wall time per connection (medians over the windows); and the memory the kernel charges
+//! for the maps (`bpftool map show`, bytes_memlock, summed over the pin root's maps).
 //!
-//! Every netns is deleted on drop (one batched `ip` call), also on failure; the pin root and
-//! the cgroup go with the [`TestEnv`].
+//! What the levels share is the kernel: netns, veths and TCX links of all levels count for all.
+//! What differs is sidestep's own state: map entries and attachment records.
+//!
+//! Every netns is deleted on drop (one batched `ip` call), also on failure; the pin roots and
+//! cgroups go with the [`TestEnv`]s.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -48,8 +54,11 @@ pub struct Level {
     pub conn_ok: u64,
     /// Sum of bytes_memlock over the pin root's maps.
     pub memlock: Option<u64>,
-    /// Seconds spent enrolling the background pods up to this level.
+    /// Seconds spent enrolling the background pods of this level.
     pub fill_secs: f64,
+    /// Per connection-loop window: µs per connection, and (program, ns/call, calls).
+    pub conn_windows: Vec<f64>,
+    pub prog_windows: Vec<(String, f64, u64)>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -57,6 +66,8 @@ pub struct ScaleResult {
     pub levels: Vec<Level>,
     pub samples: usize,
     pub conns: u64,
+    /// Connection-loop windows per level (medians are reported).
+    pub windows: usize,
     pub pod_capacity: Option<u64>,
 }
 
@@ -210,93 +221,172 @@ fn connection_loop(
     Ok(())
 }
 
-/// Runs the levels in order (each fills the node up to it).
+/// One level: its own cgroup, pin root and loaded programs, its background pods, its state
+/// directory. Field order is drop order: netns, then programs, then the env.
+struct Node {
+    bg: Background,
+    loaded: Loaded,
+    state_dir: std::path::PathBuf,
+    env: TestEnv,
+    level: Level,
+}
+
+impl Node {
+    fn new(k: usize, pods: usize, first_addr: usize) -> Result<Self> {
+        let env = TestEnv::new(&format!("bench-scale{k}"))?;
+        let loaded = Loaded::load(&env)?;
+        let state_dir = env.tmp_dir().join("cni-state");
+        std::fs::create_dir_all(&state_dir)?;
+        let mut node = Self {
+            bg: Background { names: Vec::new() },
+            loaded,
+            state_dir,
+            env,
+            level: Level {
+                pods,
+                ..Level::default()
+            },
+        };
+        let t = Instant::now();
+        // N pods: N-1 in the background plus the one being measured.
+        for i in first_addr..first_addr + pods.saturating_sub(1) {
+            let cidr = pod_cidr(i);
+            let ns = FreshNetns::new(&node.env, "bg", i, &cidr)?;
+            // The batch in `Background` deletes it.
+            let (name, path) = (ns.name.clone(), ns.path.clone());
+            std::mem::forget(ns);
+            node.bg.names.push(name);
+            let cid = container_id("bg", i);
+            let pod = format!("bg-{i}");
+            node.call(&path, &cid, &pod, &cidr)
+                .run("ADD")
+                .with_context(|| format!("enrolling background pod {i}"))?;
+        }
+        node.level.fill_secs = t.elapsed().as_secs_f64();
+        Ok(node)
+    }
+
+    fn call<'a>(
+        &'a self,
+        netns: &'a Path,
+        cid: &'a str,
+        pod: &'a str,
+        cidr: &'a str,
+    ) -> PluginCall<'a> {
+        PluginCall {
+            pin_root: self.loaded.pin_root(),
+            state_dir: &self.state_dir,
+            netns,
+            container_id: cid,
+            pod,
+            cidr,
+        }
+    }
+
+    /// One fresh pod: ADD, then the connection loop when `conns` is given, then DEL.
+    fn sample(&mut self, i: usize, record: bool, conns: Option<u64>) -> Result<()> {
+        let cidr = pod_cidr(i);
+        let ns = FreshNetns::new(&self.env, "sc", i, &cidr)?;
+        let cid = container_id("sc", i);
+        let pod = format!("sc-{i}");
+        let add = self
+            .call(&ns.path, &cid, &pod, &cidr)
+            .run("ADD")
+            .context("sample ADD")?;
+        if let Some(n) = conns {
+            if self.level.memlock.is_none() {
+                self.level.memlock = memlock(self.loaded.pin_root()).ok();
+            }
+            let mut w = Level::default();
+            match connection_loop(&self.env, &self.loaded, &ns.path, n, &mut w) {
+                Ok(()) => {
+                    self.level.conn_windows.push(w.conn_us.unwrap_or(f64::NAN));
+                    self.level.conn_ok += w.conn_ok;
+                    self.level.prog_windows.extend(w.prog_ns);
+                }
+                Err(e) => eprintln!(
+                    "bench: scale: connection loop at {} pods: {e:#}",
+                    self.level.pods
+                ),
+            }
+        }
+        let del = self
+            .call(&ns.path, &cid, &pod, &cidr)
+            .run("DEL")
+            .context("sample DEL")?;
+        if record && conns.is_none() {
+            self.level.add_ms.push(add.as_secs_f64() * 1e3);
+            self.level.del_ms.push(del.as_secs_f64() * 1e3);
+        }
+        Ok(())
+    }
+}
+
+/// Builds one node per level (each its own pin root with its pods), then interleaves the
+/// samples across the levels, rotating the order every round, so that every level sees the
+/// same machine noise. The connection loops are interleaved the same way, `windows` per level.
 pub fn run(levels: &[usize], samples: usize, conns: u64) -> Result<ScaleResult> {
-    let env = TestEnv::new("bench-scale")?;
-    let loaded = Loaded::load(&env)?;
-    let pin_root = loaded.pin_root().to_path_buf();
-    let state_dir = env.tmp_dir().join("cni-state");
-    std::fs::create_dir_all(&state_dir)?;
-    let mut bg = Background { names: Vec::new() };
+    let windows = 3;
+    let mut nodes = Vec::new();
+    let mut next = 0usize;
+    for (k, &pods) in levels.iter().enumerate() {
+        nodes.push(Node::new(k, pods, next)?);
+        next += pods;
+        eprintln!(
+            "bench: scale: node {k} with {pods} pods (filled in {:.1} s)",
+            nodes[k].level.fill_secs
+        );
+    }
+    let pod_capacity = nodes
+        .first()
+        .and_then(|n| pod_capacity(n.loaded.pin_root()));
+    // One warm-up round, unrecorded.
+    for round in 0..samples + 1 {
+        for k in 0..nodes.len() {
+            let j = (k + round) % nodes.len();
+            nodes[j].sample(next, round > 0, None)?;
+            next += 1;
+        }
+    }
+    for w in 0..windows {
+        for k in 0..nodes.len() {
+            let j = (k + w) % nodes.len();
+            nodes[j].sample(next, false, Some(conns))?;
+            next += 1;
+        }
+    }
     let mut res = ScaleResult {
         samples,
         conns,
-        pod_capacity: pod_capacity(&pin_root),
+        windows,
+        pod_capacity,
         ..ScaleResult::default()
     };
-    let mut next = 0usize;
-    for &target in levels {
-        let t_fill = Instant::now();
-        // Level N: N-1 background pods plus the one being measured.
-        while bg.names.len() + 1 < target {
-            let i = next;
-            next += 1;
-            let cidr = pod_cidr(i);
-            let ns = FreshNetns::new(&env, "bg", i, &cidr)?;
-            // Keep the netns past the guard: the batch in `Background` deletes it.
-            let name = ns.name.clone();
-            let path = ns.path.clone();
-            std::mem::forget(ns);
-            bg.names.push(name);
-            let cid = container_id("bg", i);
-            let pod = format!("bg-{i}");
-            PluginCall {
-                pin_root: &pin_root,
-                state_dir: &state_dir,
-                netns: &path,
-                container_id: &cid,
-                pod: &pod,
-                cidr: &cidr,
-            }
-            .run("ADD")
-            .with_context(|| format!("enrolling background pod {i}"))?;
-        }
-        let mut level = Level {
-            pods: target,
-            fill_secs: t_fill.elapsed().as_secs_f64(),
-            ..Level::default()
-        };
-        for s in 0..samples + 1 {
-            let i = next;
-            next += 1;
-            let cidr = pod_cidr(i);
-            let ns = FreshNetns::new(&env, "sc", i, &cidr)?;
-            let cid = container_id("sc", i);
-            let pod = format!("sc-{i}");
-            let call = PluginCall {
-                pin_root: &pin_root,
-                state_dir: &state_dir,
-                netns: &ns.path,
-                container_id: &cid,
-                pod: &pod,
-                cidr: &cidr,
-            };
-            let add = call.run("ADD").context("sample ADD")?;
-            if s == samples {
-                // The last sample pod (untimed) runs the connection loop.
-                level.memlock = memlock(&pin_root).ok();
-                if let Err(e) = connection_loop(&env, &loaded, &ns.path, conns, &mut level) {
-                    eprintln!("bench: scale: connection loop at {target} pods: {e:#}");
-                }
-                call.run("DEL").context("loop pod DEL")?;
-                continue;
-            }
-            let del = call.run("DEL").context("sample DEL")?;
-            // The first ADD of a level warms the caches; it is left out.
-            if s > 0 || samples == 1 {
-                level.add_ms.push(add.as_secs_f64() * 1e3);
-                level.del_ms.push(del.as_secs_f64() * 1e3);
+    for mut n in nodes {
+        let l = &mut n.level;
+        l.conn_us = super::stats::median(&l.conn_windows);
+        let mut names: Vec<String> = l.prog_windows.iter().map(|p| p.0.clone()).collect();
+        names.sort();
+        names.dedup();
+        for name in names {
+            let v: Vec<f64> = l
+                .prog_windows
+                .iter()
+                .filter(|p| p.0 == name)
+                .map(|p| p.1)
+                .collect();
+            let calls = l
+                .prog_windows
+                .iter()
+                .filter(|p| p.0 == name)
+                .map(|p| p.2)
+                .sum();
+            if let Some(m) = super::stats::median(&v) {
+                l.prog_ns.push((name, m, calls));
             }
         }
-        eprintln!(
-            "bench: scale: {target} pods (filled in {:.1} s), {} samples",
-            level.fill_secs,
-            level.add_ms.len()
-        );
-        res.levels.push(level);
+        res.levels.push(std::mem::take(l));
+        // `n` drops here: its netns, programs and env.
     }
-    drop(bg);
-    drop(loaded);
-    drop(env);
     Ok(res)
 }

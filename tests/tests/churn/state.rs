@@ -19,19 +19,7 @@ pub const MAPS: [&str; 5] = [
     "SIDESTEP_STATS",
 ];
 
-pub fn bpftool_json(args: &[&str]) -> Result<Value> {
-    let out = std::process::Command::new("bpftool")
-        .args(args)
-        .arg("--json")
-        .output()
-        .context("running bpftool")?;
-    ensure!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).with_context(|| format!("bpftool {args:?} output"))
-}
+pub use sidestep_tests::faults::bpftool as bpftool_json;
 
 pub fn map_entries(pin_root: &Path, map: &str) -> Result<usize> {
     let path = pin_root.join("maps").join(map).display().to_string();
