@@ -27,7 +27,9 @@ pub const POD_MAPS: [&str; 6] = [
 ];
 
 /// `bpftool ARGS --json`. A whole-system walk (`link show`, `prog show`) fails now and then when
-/// another process removes an object under it, so a failure is retried twice.
+/// another process removes an object under it, so a failure is retried twice. An empty listing
+/// (`cgroup show` of a cgroup with nothing attached prints a bare newline) is an empty array.
+/// In JSON mode bpftool reports its errors on stdout, so the error names both streams.
 pub fn bpftool(args: &[&str]) -> Result<Value> {
     let mut attempt = 0;
     loop {
@@ -38,13 +40,17 @@ pub fn bpftool(args: &[&str]) -> Result<Value> {
             .context("running bpftool")?;
         attempt += 1;
         if out.status.success() {
+            if out.stdout.trim_ascii().is_empty() {
+                return Ok(Value::Array(Vec::new()));
+            }
             return serde_json::from_slice(&out.stdout)
                 .with_context(|| format!("bpftool {args:?} output"));
         }
         ensure!(
             attempt < 3,
-            "bpftool {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            "bpftool {args:?}: {} {}",
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
         );
         std::thread::sleep(Duration::from_millis(50));
     }

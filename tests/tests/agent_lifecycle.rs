@@ -5,7 +5,7 @@
 
 mod agent_support;
 
-use std::{collections::BTreeSet, process::Command, time::Duration};
+use std::{collections::BTreeSet, time::Duration};
 
 use agent_support::{
     APP_UID, Agent, Dirs, PodApi, api_pod, base_args, free_port, meshed, wait_until,

@@ -7,8 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail, ensure};
-use serde_json::Value;
+use anyhow::{Context, Result, bail};
 
 /// Every per-pod map, and the pending original destinations.
 pub const MAPS: [&str; 5] = [
