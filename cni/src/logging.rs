@@ -19,7 +19,9 @@ pub fn peek(stdin: &[u8]) -> (Option<String>, Option<PathBuf>) {
     let s = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
     (
         s("plugin_log_level").or_else(|| s("log_level")),
-        s("log_file").map(PathBuf::from),
+        // Only a path the validated config would accept: a relative one would be created in
+        // whatever directory the runtime started us in, before validation refuses it.
+        s("log_file").map(PathBuf::from).filter(|p| p.is_absolute()),
     )
 }
 
@@ -76,6 +78,7 @@ mod tests {
         assert_eq!(f, Some(PathBuf::from("/tmp/x")));
         assert_eq!(peek(br#"{"log_level":"warn"}"#).0.as_deref(), Some("warn"));
         assert_eq!(peek(b"{"), (None, None));
+        assert_eq!(peek(br#"{"log_file":"sidestep.log"}"#).1, None);
     }
 
     #[test]

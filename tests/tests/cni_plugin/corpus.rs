@@ -434,13 +434,15 @@ pub fn corpus() -> Result<()> {
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let result = cni(&sb, &env, stdin).and_then(|o| expect_err(&o, *code, name));
         let unchanged = (sb.pods()?, sb.tc_links(), sb.state_files())
-            == (pods0.clone(), links0.clone(), files0.clone());
+            == (pods0.clone(), links0.clone(), files0.clone())
+            && sb.cwd_files().is_empty();
         match (result, unchanged) {
             (Ok(()), true) => {}
             (Err(e), _) => failures.push(format!("{name}: {e:#}")),
-            (Ok(()), false) => {
-                failures.push(format!("{name}: changed the pod map, links or state"))
-            }
+            (Ok(()), false) => failures.push(format!(
+                "{name}: changed the pod map, links, state or working directory ({:?})",
+                sb.cwd_files()
+            )),
         }
     }
     if !failures.is_empty() {

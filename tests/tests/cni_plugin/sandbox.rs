@@ -40,6 +40,9 @@ pub struct Sandbox {
     pub pin_root: PathBuf,
     cni_path: tempfile::TempDir,
     state: tempfile::TempDir,
+    /// The plugin's working directory: kubelet's runtime gives it one it does not own, so a
+    /// file appearing here is a write the config did not ask for.
+    cwd: tempfile::TempDir,
     netns: Vec<String>,
     /// Host ends of the veth pairs; deleted before the netns so that none outlives the test
     /// while the kernel tears the namespace down asynchronously.
@@ -72,6 +75,7 @@ impl Sandbox {
             name,
             cni_path,
             state: tempfile::tempdir()?,
+            cwd: tempfile::tempdir()?,
             netns: Vec::new(),
             veths: Vec::new(),
             loaded: false,
@@ -227,6 +231,17 @@ impl Sandbox {
 
     /// Every record under the state directory with its contents. The invocation log
     /// (`timings`, which every call appends to for the agent's metrics) is not state.
+    /// What the plugin left in its working directory (nothing, ever).
+    pub fn cwd_files(&self) -> Vec<String> {
+        std::fs::read_dir(self.cwd.path())
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     pub fn state_files(&self) -> BTreeMap<String, String> {
         fn walk(dir: &Path, base: &Path, out: &mut BTreeMap<String, String>) {
             for e in fs::read_dir(dir).into_iter().flatten().flatten() {
@@ -281,6 +296,7 @@ pub struct Out {
 pub fn cni(sb: &Sandbox, env: &[(&str, &str)], stdin: &[u8]) -> Result<Out> {
     let mut cmd = Command::new(sb.cni_path.path().join("sidestep"));
     cmd.env_clear()
+        .current_dir(sb.cwd.path())
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .env("CNI_PATH", sb.cni_path.path());
     for (k, v) in env {
