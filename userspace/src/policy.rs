@@ -147,7 +147,7 @@ pub fn parse_cidr_set(field: &str, text: &str) -> Result<CidrSet, PolicyError> {
 /// The first dotted-quad octet written with a leading zero (`010`), if any. ipnet accepts such
 /// octets as decimal, while inet_aton (iptables, Istio's Go tooling before 1.17) reads them as
 /// octal, so `010.0.0.0/8` would mean 10/8 here and 8/8 there: refuse it instead of guessing.
-fn leading_zero_octet(addr: &str) -> Option<&str> {
+pub fn leading_zero_octet(addr: &str) -> Option<&str> {
     // Only the IPv4 part: a plain address, or the tail of an IPv4-embedded IPv6 one.
     let v4 = addr.rsplit(':').next().filter(|s| s.contains('.'))?;
     v4.split('.')

@@ -79,6 +79,14 @@ fn opt_uint(m: &Map<String, Value>, key: &str, path: &str) -> Result<Option<u64>
 }
 
 fn parse_net(text: &str, path: String) -> Result<IpNet, ResultError> {
+    // As Go's net.ParseCIDR, which wrote the runtime's result, refuses them.
+    let addr = text.split_once('/').map_or(text, |(a, _)| a);
+    if let Some(octet) = sidestep::policy::leading_zero_octet(addr) {
+        return Err(shape(
+            path,
+            format!("{text:?}: octet {octet:?} has a leading zero"),
+        ));
+    }
     IpNet::from_str(text)
         .map_err(|_| shape(path, format!("{text:?} is not an address in CIDR notation")))
 }

@@ -230,6 +230,12 @@ pub fn cases(sb: &Sandbox, conf: &Value, f: &str, g: &str) -> Vec<Case> {
             6,
         ),
         (
+            "prevResult address with a leading-zero octet",
+            add(f),
+            ips(json!([{"address": "10.1.1.010/24"}])),
+            6,
+        ),
+        (
             "IPv6 address malformed",
             add(f),
             ips(json!([{"address": "fd00::zz/64"}])),
