@@ -47,6 +47,53 @@ fn p(v: &[f64], q: f64) -> Option<f64> {
     percentile(v, q)
 }
 
+/// The faster of the two iptables installs, p50 in ms.
+fn best_install_p50(c: &CniBench) -> Option<f64> {
+    match (p(&c.nft_ms, 50.0), p(&c.legacy_ms, 50.0)) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A ratio against its bar: "met", "**not met**" or "not measured".
+pub fn verdict_at_most(ratio: Option<f64>, bar: f64) -> &'static str {
+    match ratio {
+        Some(x) if x <= bar => "met",
+        Some(_) => "**not met**",
+        None => "not measured",
+    }
+}
+
+/// Issue 6's CNI target: (ADD p50 ms, faster install p50 ms, their ratio).
+pub fn cni_add_target(c: &CniBench) -> (Option<f64>, Option<f64>, Option<f64>) {
+    let add = p(&c.add_ms, 50.0);
+    let best = best_install_p50(c);
+    let r = match (add, best) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    };
+    (add, best, r)
+}
+
+/// Issue 6's scale targets, last level against the first: (pods at the last level, ADD p99
+/// ratio, ADD p50 ratio, per-connection loop time ratio, DEL p50 ratio).
+pub fn scale_targets(
+    s: &ScaleResult,
+) -> Option<(usize, Option<f64>, Option<f64>, Option<f64>, Option<f64>)> {
+    let (first, last) = (s.levels.first()?, s.levels.last()?);
+    let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    };
+    Some((
+        last.pods,
+        r(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0)),
+        r(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0)),
+        r(last.conn_us, first.conn_us),
+        r(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0)),
+    ))
+}
+
 pub fn cni_section(c: &CniBench, date: &str) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "## CNI ADD and DEL against the iptables install\n");
@@ -99,24 +146,16 @@ pub fn cni_section(c: &CniBench, date: &str) -> String {
             ratio(p(v, 50.0), legacy)
         );
     }
-    let best = match (nft, legacy) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
-    let add = p(&c.add_ms, 50.0);
-    let verdict = match (add, best) {
-        (Some(a), Some(b)) if a <= 0.5 * b => "met",
-        (Some(_), Some(_)) => "**not met**",
-        _ => "not measured",
-    };
+    let (add, best, add_ratio) = cni_add_target(c);
     let _ = writeln!(
         o,
-        "\nTarget: ADD p50 at most 0.5× the faster iptables install: {} vs {} = {} — {verdict}. \
+        "\nTarget: ADD p50 at most 0.5× the faster iptables install: {} vs {} = {} — {}. \
          Istio's DEL does nothing to iptables (the rules die with the netns), so DEL has no \
          counterpart.\n",
         ms(add),
         ms(best),
-        ratio(add, best)
+        ratio(add, best),
+        verdict_at_most(add_ratio, 0.5)
     );
     if c.tcx_attach_ms.is_empty() {
         let _ = writeln!(
@@ -214,35 +253,22 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
                 .map_or("—".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0))
         );
     }
-    if let (Some(first), Some(last)) = (s.levels.first(), s.levels.last()) {
-        let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-            _ => None,
-        };
-        let p99 = r(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0));
-        let p50 = r(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0));
-        let conn = r(last.conn_us, first.conn_us);
-        let del = r(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0));
-        let verdict = |v: Option<f64>, bar: f64| match v {
-            Some(x) if x <= bar => "met",
-            Some(_) => "**not met**",
-            None => "not measured",
-        };
+    if let Some((last_pods, p99, p50, conn, del)) = scale_targets(s) {
         let _ = writeln!(
             o,
             "\nTarget: ADD p99 at {} pods within 1.2× of the first pod's: {} — {} (p50 ratio {}). \
              Per-connection cost flat: loop time ratio {} ({}).",
-            last.pods,
+            last_pods,
             p99.map_or("—".into(), |x| format!("{x:.2}×")),
-            verdict(p99, 1.2),
+            verdict_at_most(p99, 1.2),
             p50.map_or("—".into(), |x| format!("{x:.2}×")),
             conn.map_or("—".into(), |x| format!("{x:.2}×")),
-            verdict(conn, 1.2),
+            verdict_at_most(conn, 1.2),
         );
         let _ = writeln!(
             o,
             "DEL p50 at {} pods is {} the first pod's{}.",
-            last.pods,
+            last_pods,
             del.map_or("—".into(), |x| format!("{x:.2}×")),
             if del.is_some_and(|x| x > 1.2) {
                 ": DEL still scans every pod's entries (the per-pod port, CIDR, address and \
@@ -252,6 +278,11 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
                 ""
             }
         );
+        let (first, last) = (&s.levels[0], &s.levels[s.levels.len() - 1]);
+        let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
+        };
         for pn in &progs {
             let get =
                 |l: &super::scale::Level| l.prog_ns.iter().find(|(n, _, _)| n == pn).map(|x| x.1);
