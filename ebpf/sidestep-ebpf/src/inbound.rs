@@ -32,7 +32,7 @@ const DROP: i32 = 2;
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
-const IPV6_HLEN: usize = 40;
+const IPV6_HLEN: usize = core::mem::size_of::<Ipv6Head>();
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
 const TCP_LISTEN: u32 = 10;
@@ -58,40 +58,79 @@ pub fn sidestep_tc_ingress(ctx: TcContext) -> i32 {
     }
 }
 
+/// The fixed IPv4 header, read in one helper call.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ipv4Head {
+    ver_ihl: u8,
+    _tos: u8,
+    _total_len: u16,
+    _id: u16,
+    _frag: u16,
+    _ttl: u8,
+    protocol: u8,
+    _check: u16,
+    src: u32,
+    dst: u32,
+}
+
+/// The IPv6 header, read in one helper call.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ipv6Head {
+    _ver_class_flow: u32,
+    _payload_len: u16,
+    next_header: u8,
+    _hop_limit: u8,
+    src: [u32; 4],
+    dst: [u32; 4],
+}
+
+/// The first 14 bytes of a TCP header, up to the flags (every TCP header has 20 or more).
+#[repr(C, packed)]
+#[derive(Clone, Copy)]
+struct TcpHead {
+    src_port_be: u16,
+    dst_port_be: u16,
+    _seq: u32,
+    _ack: u32,
+    _data_offset: u8,
+    flags: u8,
+}
+
+/// This runs for every packet the pod receives, so the headers are read with one load each
+/// (bpf_skb_load_bytes per field cost eight helper calls a packet) and the ethertype comes
+/// from the skb itself.
 #[inline(always)]
 fn parse(ctx: &TcContext) -> Option<Segment> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    let ethertype = u16::from_be(ctx.skb.protocol() as u16);
     let (ipv6, src, dst, l4) = match ethertype {
         ETH_P_IP => {
-            let ver_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
-            let protocol: u8 = ctx.load(ETH_HLEN + 9).ok()?;
-            if protocol != linux::IPPROTO_TCP as u8 {
+            let ip: Ipv4Head = ctx.load(ETH_HLEN).ok()?;
+            if ip.protocol != linux::IPPROTO_TCP as u8 {
                 return None;
             }
-            let src: u32 = ctx.load(ETH_HLEN + 12).ok()?;
-            let dst: u32 = ctx.load(ETH_HLEN + 16).ok()?;
-            let ihl = ((ver_ihl & 0x0f) as usize) * 4;
-            (false, v4_mapped(src), v4_mapped(dst), ETH_HLEN + ihl)
+            let ihl = ((ip.ver_ihl & 0x0f) as usize) * 4;
+            (false, v4_mapped(ip.src), v4_mapped(ip.dst), ETH_HLEN + ihl)
         }
         ETH_P_IPV6 => {
             // Extension headers before TCP are not followed; such SYNs are left alone.
-            let next: u8 = ctx.load(ETH_HLEN + 6).ok()?;
-            if next != linux::IPPROTO_TCP as u8 {
+            let ip: Ipv6Head = ctx.load(ETH_HLEN).ok()?;
+            if ip.next_header != linux::IPPROTO_TCP as u8 {
                 return None;
             }
-            let src: [u32; 4] = ctx.load(ETH_HLEN + 8).ok()?;
-            let dst: [u32; 4] = ctx.load(ETH_HLEN + 24).ok()?;
-            (true, src, dst, ETH_HLEN + IPV6_HLEN)
+            (true, ip.src, ip.dst, ETH_HLEN + IPV6_HLEN)
         }
         _ => return None,
     };
+    let tcp: TcpHead = ctx.load(l4).ok()?;
     Some(Segment {
         ipv6,
         src,
         dst,
-        src_port_be: ctx.load(l4).ok()?,
-        dst_port_be: ctx.load(l4 + 2).ok()?,
-        tcp_flags: ctx.load(l4 + 13).ok()?,
+        src_port_be: tcp.src_port_be,
+        dst_port_be: tcp.dst_port_be,
+        tcp_flags: tcp.flags,
     })
 }
 
