@@ -14,7 +14,9 @@ mod agent_support;
 
 use std::{sync::Arc, time::Duration};
 
-use agent_support::{APP_UID, Agent, Dirs, attachments, base_args, free_port, meshed, parse_wrk};
+use agent_support::{
+    APP_UID, Agent, Dirs, attachments, base_args, free_port, meshed, object_b, parse_wrk,
+};
 use anyhow::{Context, Result, ensure};
 use sidestep_tests::{
     ChildGuard, Node, Pod, Spawn, TestEnv, haproxy, http_get, netns, nginx, skip_unless_root, url,
@@ -165,31 +167,6 @@ fn agent_sigkill_under_load_then_adopt() -> Result<()> {
     Ok(())
 }
 
-/// Build B: build A's object with one more ELF section. The programs, maps and their layout are
-/// unchanged (compatible); the bytes, and so the loaded programs, are new.
-fn object_b(env: &TestEnv) -> Result<std::path::PathBuf> {
-    let a = std::env::var_os("SIDESTEP_BPF_OBJECT")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bpf/sidestep.bpf.o")
-        });
-    let note = env.tmp_dir().join("build-b.txt");
-    std::fs::write(&note, "sidestep build B\n")?;
-    let b = env.tmp_dir().join("sidestep-b.bpf.o");
-    let out = std::process::Command::new("llvm-objcopy")
-        .arg(format!("--add-section=.sidestep.build={}", note.display()))
-        .arg(&a)
-        .arg(&b)
-        .output()
-        .context("llvm-objcopy (apt-get install llvm)")?;
-    ensure!(
-        out.status.success(),
-        "llvm-objcopy: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(std::fs::read(&a)? != std::fs::read(&b)?);
-    Ok(b)
-}
 
 #[test]
 fn agent_upgrade_under_load_replaces_programs_atomically() -> Result<()> {

@@ -19,7 +19,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_support::{APP_UID, Agent, Dirs, base_args, free_port, meshed};
+use agent_support::{APP_UID, Agent, Dirs, base_args, free_port, meshed, object_b};
 use anyhow::{Context, Result, bail, ensure};
 use sidestep_tests::{
     Node, NodeOptions, Pod, Spawn, TestEnv,
@@ -282,29 +282,6 @@ fn agent_killed_at_each_step_of_load_adopt_and_upgrade_converges() -> Result<()>
     Ok(())
 }
 
-/// Build B: build A's object with one more ELF section (compatible, other bytes).
-fn object_b(env: &TestEnv) -> Result<PathBuf> {
-    let a = std::env::var_os("SIDESTEP_BPF_OBJECT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bpf/sidestep.bpf.o")
-        });
-    let note = env.tmp_dir().join("build-b.txt");
-    std::fs::write(&note, "sidestep build B\n")?;
-    let b = env.tmp_dir().join("sidestep-b.bpf.o");
-    let out = std::process::Command::new("llvm-objcopy")
-        .arg(format!("--add-section=.sidestep.build={}", note.display()))
-        .arg(&a)
-        .arg(&b)
-        .output()
-        .context("llvm-objcopy (apt-get install llvm)")?;
-    ensure!(
-        out.status.success(),
-        "llvm-objcopy: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(b)
-}
 
 /// A private bpffs instance for the test's pin root, unmounted on drop (never the host's).
 struct PrivateBpffs(PathBuf);

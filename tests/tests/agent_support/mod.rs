@@ -511,3 +511,29 @@ pub fn api_pod(node: &str, ns: &str, name: &str, ips: &[String], injected: bool)
                    "podIPs": ips.iter().map(|i| json!({"ip": i})).collect::<Vec<_>>()}
     })
 }
+
+/// Build B for upgrade tests: build A's object with one more ELF section. The programs, maps and
+/// their layout are unchanged (compatible); the bytes, and so the loaded programs, are new.
+pub fn object_b(env: &TestEnv) -> Result<std::path::PathBuf> {
+    let a = std::env::var_os("SIDESTEP_BPF_OBJECT")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bpf/sidestep.bpf.o")
+        });
+    let note = env.tmp_dir().join("build-b.txt");
+    std::fs::write(&note, "sidestep build B\n")?;
+    let b = env.tmp_dir().join("sidestep-b.bpf.o");
+    let out = std::process::Command::new("llvm-objcopy")
+        .arg(format!("--add-section=.sidestep.build={}", note.display()))
+        .arg(&a)
+        .arg(&b)
+        .output()
+        .context("llvm-objcopy (apt-get install llvm)")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llvm-objcopy: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(std::fs::read(&a)? != std::fs::read(&b)?);
+    Ok(b)
+}
