@@ -167,7 +167,6 @@ fn agent_sigkill_under_load_then_adopt() -> Result<()> {
     Ok(())
 }
 
-
 #[test]
 fn agent_upgrade_under_load_replaces_programs_atomically() -> Result<()> {
     if skip_unless_root("agent_upgrade_under_load_replaces_programs_atomically") {

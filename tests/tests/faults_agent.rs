@@ -282,7 +282,6 @@ fn agent_killed_at_each_step_of_load_adopt_and_upgrade_converges() -> Result<()>
     Ok(())
 }
 
-
 /// A private bpffs instance for the test's pin root, unmounted on drop (never the host's).
 struct PrivateBpffs(PathBuf);
 
