@@ -145,14 +145,11 @@ impl StateDir {
         Ok(())
     }
 
-    /// `durable`: fsync the file and the directory. A pending record needs only to survive the
-    /// plugin's own death (the page cache does that); after a reboot no enrolment is left.
-    fn write_json<T: Serialize>(
-        &self,
-        path: &Path,
-        value: &T,
-        durable: bool,
-    ) -> Result<(), StateError> {
+    /// Written to a temporary file and renamed, never fsynced: a record describes kernel objects
+    /// (pinned links, map entries, a netns) that do not outlive a reboot either, so it needs to
+    /// survive only the death of a process, which the page cache gives. An fsync of the file and
+    /// its directory cost more than the rest of an ADD on a disk-backed state dir.
+    fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), StateError> {
         let dir = path.parent().unwrap_or(&self.root);
         Self::ensure_dir(dir)?;
         if path.is_dir() {
@@ -175,16 +172,8 @@ impl StateDir {
                 .mode(0o600)
                 .open(&tmp)?;
             f.write_all(&body)?;
-            if durable {
-                f.sync_all()?;
-            }
             sidestep::sys::failpoint("state:before-rename");
-            fs::rename(&tmp, path)?;
-            if !durable {
-                return Ok(());
-            }
-            // The rename is durable only once the directory is.
-            fs::File::open(dir)?.sync_all()
+            fs::rename(&tmp, path)
         })();
         if result.is_err() {
             let _ = fs::remove_file(&tmp);
@@ -262,7 +251,7 @@ impl StateDir {
     }
 
     pub fn write_record(&self, r: &AttachmentRecord) -> Result<(), StateError> {
-        self.write_json(&self.record_path(&r.container_id, &r.ifname), r, true)
+        self.write_json(&self.record_path(&r.container_id, &r.ifname), r)
     }
 
     /// The pending record ADD writes before it changes anything.
@@ -272,7 +261,7 @@ impl StateDir {
             writer_pid: Some(std::process::id()),
             ..r.clone()
         };
-        self.write_json(&self.record_path(&r.container_id, &r.ifname), &r, false)
+        self.write_json(&self.record_path(&r.container_id, &r.ifname), &r)
     }
 
     pub fn read_record(
@@ -291,7 +280,7 @@ impl StateDir {
     }
 
     pub fn write_marker(&self, m: &FailOpenMarker) -> Result<(), StateError> {
-        self.write_json(&self.marker_path(&m.container_id, &m.ifname), m, true)
+        self.write_json(&self.marker_path(&m.container_id, &m.ifname), m)
     }
 
     pub fn read_marker(
