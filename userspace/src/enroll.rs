@@ -81,6 +81,7 @@ pub fn enroll_netns(
             netns_cookie,
             interfaces,
             &policy.exclude_interfaces,
+            policy.inbound_hook,
         ) {
             Ok(a) => {
                 crate::sys::failpoint("enroll:after-links");

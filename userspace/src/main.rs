@@ -127,6 +127,10 @@ struct PolicyArgs {
     /// App <-> proxy data on loopback goes socket to socket (sk_msg).
     #[arg(long)]
     sk_msg: bool,
+    /// Where inbound capture hooks in: `tc` (tc ingress per interface, the default) or
+    /// `sk_lookup` (the per-netns listener lookup only).
+    #[arg(long)]
+    inbound_hook: Option<policy::InboundHook>,
     /// The pod's own address (repeatable), for hairpin detection.
     #[arg(long = "pod-ip")]
     pod_ips: Vec<std::net::IpAddr>,
@@ -171,6 +175,7 @@ impl PolicyArgs {
         }
         p.dns_capture |= self.dns_capture;
         p.sk_msg |= self.sk_msg;
+        p.inbound_hook = self.inbound_hook.unwrap_or(p.inbound_hook);
         if self.no_ipv6 {
             p.capture_ipv6 = false;
         }

@@ -195,6 +195,42 @@ impl FromStr for InterceptionMode {
     }
 }
 
+/// Where inbound capture hooks in. Both hand a captured SYN to the proxy's listener with the
+/// original destination as its local address (`bpf_sk_assign`), so the proxy cannot tell them
+/// apart; they differ in cost and in what they need (docs/ARCHITECTURE.md, "Inbound hooks").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InboundHook {
+    /// A tc ingress program on each captured interface (TCX links, pinned per pod), plus the
+    /// per-netns sk_lookup program for SYNs onto a TIME_WAIT 4-tuple.
+    #[default]
+    Tc,
+    /// Only the per-netns sk_lookup program: no per-packet program, and no TCX attach (each of
+    /// which waits for an RCU grace period) in ADD and DEL. The proxy's listener must have been
+    /// opened under the loaded sockops program, which holds for every pod enrolled at ADD.
+    SkLookup,
+}
+
+impl InboundHook {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tc => "tc",
+            Self::SkLookup => "sk_lookup",
+        }
+    }
+}
+
+impl FromStr for InboundHook {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "tc" => Ok(Self::Tc),
+            "sk_lookup" => Ok(Self::SkLookup),
+            other => Err(format!("{other:?} is not tc or sk_lookup")),
+        }
+    }
+}
+
 /// One pod's capture policy. The JSON form (`--policy FILE`, the CNI `policy` object) uses these
 /// camelCase names; lists take Istio's comma-separated strings or arrays.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,6 +262,8 @@ pub struct Policy {
     /// App <-> proxy bytes on loopback go socket to socket (sk_msg); off by default until the
     /// benchmark shows it wins everywhere.
     pub sk_msg: bool,
+    /// Set from the plugin's (or the CLI's) configuration, not from annotations.
+    pub inbound_hook: InboundHook,
 }
 
 impl Default for Policy {
@@ -250,6 +288,7 @@ impl Default for Policy {
             capture_ipv6: true,
             pod_ips: Vec::new(),
             sk_msg: false,
+            inbound_hook: InboundHook::Tc,
         }
     }
 }

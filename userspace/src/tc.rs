@@ -18,6 +18,7 @@ use crate::{
     loader::detach_links_under,
     netns::Netns,
     pins::PinLayout,
+    policy::InboundHook,
 };
 
 pub fn pod_links_dir(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
@@ -43,13 +44,16 @@ fn interfaces_here() -> std::io::Result<Vec<String>> {
 }
 
 /// Attaches inbound capture to `interfaces` (all but loopback when `None`) minus `excluded`.
-/// Returns the interfaces attached. Re-attaching an interface replaces its link.
+/// Returns the interfaces captured. Re-attaching an interface replaces its link. With
+/// [`InboundHook::SkLookup`] no tc program is attached (and any left from a `tc` enrolment is
+/// detached): the per-netns sk_lookup link alone captures, on the interfaces returned.
 pub fn attach_inbound(
     layout: &PinLayout,
     netns: &Netns,
     netns_cookie: u64,
     interfaces: Option<&[String]>,
     excluded: &[String],
+    hook: InboundHook,
 ) -> Result<Vec<(String, u32)>, EnrollError> {
     let dir = pod_links_dir(layout, netns_cookie);
     mkdir_private(&dir).map_err(|source| EnrollError::StateDir {
@@ -72,6 +76,11 @@ pub fn attach_inbound(
             let pin = dir_in.join(&name);
             if pin.exists() {
                 detach_links_under_file(&pin);
+            }
+            if hook == InboundHook::SkLookup {
+                let ifindex = nix::net::if_::if_nametoindex(name.as_str())?;
+                attached.push((name, ifindex));
+                continue;
             }
             // Kernels before 6.6 have no TCX; aya then attaches through netlink and needs clsact.
             // With TCX the qdisc is not used, and adding it costs a netlink round trip and, on a
