@@ -12,7 +12,7 @@ use std::{
 
 use serde::Deserialize;
 use serde_json::Value;
-use sidestep::policy::Policy;
+use sidestep::policy::{InboundHook, Policy};
 
 use crate::spec::{
     CniError, CniVersion, Command, code, env::valid_name, error::ToCniError, result::PrevResult,
@@ -88,6 +88,8 @@ pub struct PluginConfig {
     pub kubernetes: KubernetesConfig,
     pub policy: Option<Policy>,
     pub fail_strategy: FailStrategy,
+    /// Where inbound capture hooks in, for every pod this network enrols (`inbound_hook`).
+    pub inbound_hook: InboundHook,
     /// From runtimeConfig; `None` when the runtime did not pass them.
     pub pod_annotations: Option<BTreeMap<String, String>>,
     pub prev_result: Option<PrevResult>,
@@ -170,6 +172,7 @@ struct Raw {
     kubernetes: Option<RawKubernetes>,
     policy: Option<Value>,
     fail_strategy: Option<FailStrategy>,
+    inbound_hook: Option<InboundHook>,
     pod_namespace: Option<String>,
     ambient_enabled: Option<bool>,
     runtime_config: Option<RawRuntimeConfig>,
@@ -243,6 +246,7 @@ impl PluginConfig {
             kubernetes: take(obj, "kubernetes")?,
             policy: take(obj, "policy")?,
             fail_strategy: take(obj, "fail_strategy")?,
+            inbound_hook: take(obj, "inbound_hook")?,
             pod_namespace: take(obj, "pod_namespace")?,
             ambient_enabled: take(obj, "ambient_enabled")?,
             runtime_config: take(obj, "runtimeConfig")?,
@@ -333,6 +337,7 @@ impl PluginConfig {
             kubernetes,
             policy,
             fail_strategy: raw.fail_strategy.unwrap_or_default(),
+            inbound_hook: raw.inbound_hook.unwrap_or_default(),
             pod_annotations: raw.runtime_config.and_then(|r| r.pod_annotations),
             prev_result,
             valid_attachments: raw.valid_attachments,

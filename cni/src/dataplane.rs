@@ -38,6 +38,8 @@ pub trait Dataplane {
     fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError>;
     fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError>;
     fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
+    /// Whether the pod's netns has its pinned sk_lookup link.
+    fn has_sk_lookup(&self, cookie: u64) -> bool;
 }
 
 #[derive(Debug)]
@@ -122,6 +124,10 @@ impl Dataplane for Pinned {
 
     fn attached_interfaces(&self, cookie: u64) -> Vec<String> {
         tc::attached_interfaces(&PinLayout::new(&self.pin_root), cookie)
+    }
+
+    fn has_sk_lookup(&self, cookie: u64) -> bool {
+        tc::has_sk_lookup(&PinLayout::new(&self.pin_root), cookie)
     }
 }
 

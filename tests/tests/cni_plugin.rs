@@ -137,6 +137,39 @@ fn lifecycle() -> Result<()> {
     );
     ensure!(sb.state_files().keys().eq(["keep@eth0.json"]));
 
+    // inbound_hook sk_lookup: no tc link, the per-netns sk_lookup link alone, and CHECK
+    // verifies that link.
+    let d = sb.add_netns("d")?;
+    let mut skl = conf.clone();
+    skl["inbound_hook"] = json!("sk_lookup");
+    let d_cookie = netns::cookie(&d)?;
+    let tc_before = sb.tc_links();
+    expect_ok(&call(&sb, "ADD", "skl", &d, &skl)?, "ADD sk_lookup")?;
+    ensure!(sb.pods()?.contains(&d_cookie));
+    ensure!(
+        sb.tc_links() == tc_before,
+        "sk_lookup hook made tc links: {:?}",
+        sb.tc_links()
+    );
+    let skl_pin = sb
+        .pin_root
+        .join("links/sklookup")
+        .join(d_cookie.to_string());
+    ensure!(skl_pin.exists(), "no sk_lookup link pinned");
+    let rec: Value = serde_json::from_slice(&fs::read(sb.state_dir().join("skl@eth0.json"))?)?;
+    ensure!(rec["policy"]["inboundHook"] == "sk_lookup", "{rec}");
+    expect_ok(&call(&sb, "CHECK", "skl", &d, &skl)?, "CHECK sk_lookup")?;
+    fs::remove_file(&skl_pin)?;
+    let o = call(&sb, "CHECK", "skl", &d, &skl)?;
+    expect_err(&o, 104, "CHECK without the sk_lookup link")?;
+    ensure!(
+        o.json["msg"].as_str().unwrap_or("").contains("sk_lookup"),
+        "{}",
+        o.json
+    );
+    expect_ok(&call(&sb, "DEL", "skl", &d, &skl)?, "DEL sk_lookup")?;
+    ensure!(!sb.pods()?.contains(&d_cookie) && !skl_pin.exists());
+
     // No annotations from the runtime: the pod is read from the (stand-in) Kubernetes API.
     let pod = json!({
         "metadata": {"name": "web", "namespace": "shop",

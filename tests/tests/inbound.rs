@@ -1,5 +1,5 @@
-//! Inbound capture with tc ingress + bpf_sk_assign, cross-pod through HAProxy sidecars on both
-//! pods. Needs root; skips otherwise.
+//! Inbound capture (tc ingress or sk_lookup, each with bpf_sk_assign), cross-pod through HAProxy
+//! sidecars on both pods. Needs root; skips otherwise.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -29,15 +29,50 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
     if skip_unless_root("inbound_through_both_sidecars_v4_and_v6") {
         return Ok(());
     }
-    let env = TestEnv::new("inbound")?;
+    inbound_through_both_sidecars("tc")
+}
+
+/// The same with the sk_lookup hook alone: no tc program anywhere, same outcomes.
+#[test]
+fn inbound_through_both_sidecars_with_the_sk_lookup_hook() -> Result<()> {
+    if skip_unless_root("inbound_through_both_sidecars_with_the_sk_lookup_hook") {
+        return Ok(());
+    }
+    inbound_through_both_sidecars("sk_lookup")
+}
+
+fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
+    let env = TestEnv::new(&format!("inbound-{}", &hook[..2]))?;
     let node = Node::new(&env, NodeOptions::dual_stack())?;
     let client = node.add_pod("client")?;
     let server = node.add_pod("server")?;
     let outsider = node.add_pod("outsider")?;
     let web = nginx::Server::start(&env, &server, 80)?;
     let loaded = Loaded::load(&env)?;
-    loaded.enroll(&client, &[])?;
-    loaded.enroll(&server, &[])?;
+    let hook_args = ["--inbound-hook", hook];
+    loaded.enroll(&client, &hook_args)?;
+    loaded.enroll(&server, &hook_args)?;
+    // What each hook leaves in the kernel: tc links per interface, or none at all.
+    let tc_links = |pod: &Pod| -> Result<usize> {
+        let dir = env
+            .pin_root()
+            .join("links/tc")
+            .join(pod.netns_cookie()?.to_string());
+        Ok(std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0))
+    };
+    let expected_tc = usize::from(hook == "tc");
+    ensure!(
+        tc_links(&server)? == expected_tc,
+        "{hook}: {} tc links on the server",
+        tc_links(&server)?
+    );
+    ensure!(
+        env.pin_root()
+            .join("links/sklookup")
+            .join(server.netns_cookie()?.to_string())
+            .exists(),
+        "{hook}: no sk_lookup link"
+    );
     let body = nginx::body_for("server");
 
     // The server is captured inbound and its sidecar is not up yet: the SYN is dropped, so even
@@ -56,7 +91,8 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
     // The server's proxy logged the original destination it forwarded to.
     server_proxy.wait_log(&[&format!("{}:80", server.ipv4)], Duration::from_secs(5))?;
     // One count per captured connection, meshed and not: tc's own socket lookups run the pod's
-    // sk_lookup program nested inside them, and that run must neither steer nor count again.
+    // sk_lookup program nested inside them, and that run must neither steer nor count again;
+    // with the sk_lookup hook, its one run counts.
     for from in [&client, &outsider] {
         let before = counter(&loaded, &server, "redirected_inbound")?;
         for _ in 0..5 {
@@ -104,12 +140,17 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
 
     // The proxy's accepted socket sees the original destination in SO_ORIGINAL_DST and
     // getsockname, and the real client as its peer.
+    // The listener opens after the enrolment that names its port, as a sidecar starts after
+    // CNI ADD: the sk_lookup hook knows a proxy's listener only from its listen(2).
+    loaded.enroll(
+        &server,
+        &["--inbound-port", "15007", "--inbound-hook", hook],
+    )?;
     let observer = server.spawn(
         &env,
         Spawn::new(&[probe(), "proxy", "0.0.0.0:15007", "-", "--no-forward"])
             .user(PROXY_UID, PROXY_UID),
     )?;
-    loaded.enroll(&server, &["--inbound-port", "15007"])?;
     std::thread::sleep(Duration::from_millis(200));
     let target = SocketAddr::new(server.ipv4.into(), 8080);
     outsider.run(&env, APP_UID, &[probe(), "connect", &target.to_string()])?;
@@ -134,7 +175,11 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
         "peer: {line}"
     );
 
-    // Unenrolled, the server is reachable directly again and its tc link is gone.
+    // Unenrolled, the server's links are gone; the client keeps its own.
+    let server_sk_lookup = env
+        .pin_root()
+        .join("links/sklookup")
+        .join(server.netns_cookie()?.to_string());
     loaded.unenroll(&server)?;
     let status = loaded.status()?;
     ensure!(
@@ -143,9 +188,14 @@ fn inbound_through_both_sidecars_v4_and_v6() -> Result<()> {
     );
     let links = env.pin_root().join("links/tc");
     ensure!(
-        std::fs::read_dir(&links).map(|d| d.count()).unwrap_or(0) == 1,
+        std::fs::read_dir(&links).map(|d| d.count()).unwrap_or(0) == expected_tc,
         "tc links left for the server"
     );
+    ensure!(
+        !server_sk_lookup.exists(),
+        "sk_lookup link left for the server"
+    );
+    ensure!(tc_links(&client)? == expected_tc);
     Ok(())
 }
 

@@ -464,6 +464,9 @@ impl Policy {
         if self.sk_msg {
             f |= flags::SK_MSG;
         }
+        if self.inbound_hook == InboundHook::SkLookup {
+            f |= flags::INBOUND_SK_LOOKUP;
+        }
         cidrs.sort_by_key(|c| (c.0, c.1.list_be, c.1.addr));
         cidrs.dedup();
         ports.sort_by_key(|k| (k.list, k.port));

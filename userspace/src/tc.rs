@@ -116,7 +116,13 @@ pub fn attach_inbound(
         Ok(attached)
     });
     match result {
-        Ok(attached) if !attached.is_empty() => Ok(attached),
+        Ok(attached) if !attached.is_empty() => {
+            if hook == InboundHook::SkLookup {
+                // No tc link lives here (any from an earlier `tc` enrolment was detached).
+                let _ = fs::remove_dir(&dir);
+            }
+            Ok(attached)
+        }
         // Inbound capture with nowhere to attach would leave the pod silently uncaptured.
         Ok(_) => {
             let _ = fs::remove_dir(&dir);
@@ -194,6 +200,11 @@ pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadE
         }),
         _ => Ok(()),
     }
+}
+
+/// Whether the pod's sk_lookup link is pinned.
+pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
+    sk_lookup_pin(layout, netns_cookie).exists()
 }
 
 /// The interfaces of a pod that currently have a pinned tc link.

@@ -53,6 +53,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     };
     let who = pod_label(identity.as_ref(), cid);
     let mut policy = enrolment.policy;
+    policy.inbound_hook = ctx.cfg.inbound_hook;
     if enrolment.hairpin && policy.pod_ips.is_empty() {
         policy.pod_ips = match &ctx.cfg.prev_result {
             Some(p) if !p.ips.is_empty() => p.ips.clone(),

@@ -1,6 +1,8 @@
 //! CHECK: the attachment is still what ADD made it: programs loaded, the pod's map entry with
 //! the recorded policy, and the tc program on each recorded interface.
 
+use sidestep::policy::InboundHook;
+
 use super::{Ctx, Resolved, pod_label, require_loaded, resolve};
 use crate::{
     dataplane::{PodEntry, netns_error},
@@ -62,6 +64,17 @@ pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
             )));
         }
         Err(e) => return Err(failed(format!("cannot read the pod map: {e}"))),
+    }
+    if record.interfaces.is_empty() {
+        return Ok(());
+    }
+    if !ctx.dp.has_sk_lookup(cookie) {
+        return Err(failed(format!(
+            "the inbound sk_lookup program is not attached to netns cookie {cookie}"
+        )));
+    }
+    if record.policy.inbound_hook == InboundHook::SkLookup {
+        return Ok(());
     }
     let attached = ctx.dp.attached_interfaces(cookie);
     let missing: Vec<_> = record

@@ -98,6 +98,9 @@ impl Dataplane for Fake {
             .cloned()
             .unwrap_or_default()
     }
+    fn has_sk_lookup(&self, cookie: u64) -> bool {
+        self.0.links.borrow().contains_key(&cookie)
+    }
 }
 
 struct FakeDeps(Rc<World>);

@@ -109,6 +109,8 @@ pub mod flags {
     pub const SK_MSG: u32 = 1 << 10;
     /// includeOutboundIPRanges is `*`: the include trie need not be consulted.
     pub const OUTBOUND_ALL_RANGES: u32 = 1 << 11;
+    /// Inbound capture is sk_lookup's alone (no tc program), so it also counts passed SYNs.
+    pub const INBOUND_SK_LOOKUP: u32 = 1 << 12;
 }
 
 /// Per-pod policy, keyed by network-namespace cookie (`u64`).

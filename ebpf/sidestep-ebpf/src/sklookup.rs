@@ -1,8 +1,9 @@
 //! sk_lookup, per pod netns: steers the kernel's own listener lookup for a captured inbound
-//! connection to the proxy's listener. tc ingress assigns new SYNs before any lookup happens;
-//! this program covers the SYN that tc leaves to the kernel because its 4-tuple is still in
-//! TIME_WAIT (the kernel recycles the TIME_WAIT socket, then looks up a listener). Either way the
-//! proxy accepts, and the original destination is published for SO_ORIGINAL_DST.
+//! connection to the proxy's listener. With the `tc` hook, tc ingress assigns new SYNs before any
+//! lookup happens, and this program covers the SYN that tc leaves to the kernel because its
+//! 4-tuple is still in TIME_WAIT (the kernel recycles the TIME_WAIT socket, then looks up a
+//! listener). With the `sk_lookup` hook it captures every inbound connection alone. Either way
+//! the proxy accepts, and the original destination is published for SO_ORIGINAL_DST.
 
 use aya_ebpf::{
     bindings::sk_action::{SK_DROP, SK_PASS},
@@ -100,6 +101,10 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         return SK_PASS;
     }
     if port == pod.inbound_port || !captures_port(netns_cookie, &pod, port) {
+        // With tc in front, tc counted this SYN already.
+        if pod.flags & flags::INBOUND_SK_LOOKUP != 0 {
+            policy::count(netns_cookie, |c| c.passed_inbound += 1);
+        }
         return SK_PASS;
     }
     let mut key = ListenerKey {

@@ -117,6 +117,12 @@ pub fn cases(sb: &Sandbox, conf: &Value, f: &str, g: &str) -> Vec<Case> {
             7,
         ),
         (
+            "inbound_hook unknown",
+            add(f),
+            set(&["inbound_hook"], json!("tcx")),
+            7,
+        ),
+        (
             "relative log_file",
             add(f),
             set(&["log_file"], json!("sidestep.log")),
