@@ -45,6 +45,9 @@ pub struct CniBench {
     pub add_ms: Vec<f64>,
     /// Milliseconds per sidestep-cni DEL of that attachment.
     pub del_ms: Vec<f64>,
+    /// The same two with `inbound_hook: sk_lookup` (no tc link).
+    pub add_skl_ms: Vec<f64>,
+    pub del_skl_ms: Vec<f64>,
     /// Milliseconds per Istio install with iptables-nft-restore + ip6tables-nft-restore.
     pub nft_ms: Vec<f64>,
     /// The same with the legacy back end.
@@ -164,11 +167,13 @@ pub struct PluginCall<'a> {
     pub pod: &'a str,
     /// The address (CIDR) prevResult reports for eth0.
     pub cidr: &'a str,
+    /// The plugin's `inbound_hook` (`None`: its default, tc).
+    pub inbound_hook: Option<&'a str>,
 }
 
 impl PluginCall<'_> {
     pub fn stdin(&self) -> Vec<u8> {
-        let conf = json!({
+        let mut conf = json!({
             "cniVersion": "1.0.0",
             "name": "bench",
             "type": "sidestep",
@@ -183,6 +188,9 @@ impl PluginCall<'_> {
                 "ips": [{"address": self.cidr, "interface": 0}],
             },
         });
+        if let Some(hook) = self.inbound_hook {
+            conf["inbound_hook"] = json!(hook);
+        }
         serde_json::to_vec(&conf).expect("JSON")
     }
 
@@ -282,8 +290,8 @@ fn restore_pair(netns: &Path, variant: &str, v4: &[u8], v6: &[u8]) -> Result<Dur
     Ok(total)
 }
 
-/// `runs` timed runs of each of ADD, DEL, nft install, legacy install (after two untimed
-/// warm-up rounds), rotating their order every round.
+/// `runs` timed runs of each of ADD+DEL (tc hook), ADD+DEL (sk_lookup hook), nft install and
+/// legacy install (after two untimed warm-up rounds), rotating their order every round.
 pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     let istio = IstioCapture {
         ipv6: true,
@@ -304,11 +312,11 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     let mut n = 0;
     for round in 0..runs + warmup {
         let timed_round = round >= warmup;
-        for k in 0..3 {
+        for k in 0..4 {
             n += 1;
             let ns = FreshNetns::new(env, "cni", n, cidr)?;
-            match (round + k) % 3 {
-                0 => {
+            match (round + k) % 4 {
+                hook @ (0 | 3) => {
                     let cid = container_id("cni", n);
                     let pod = format!("pod-{n}");
                     let call = PluginCall {
@@ -318,12 +326,18 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                         container_id: &cid,
                         pod: &pod,
                         cidr,
+                        inbound_hook: (hook == 3).then_some("sk_lookup"),
                     };
                     let add = call.run("ADD").context("sidestep-cni ADD")?;
                     let del = call.run("DEL").context("sidestep-cni DEL")?;
                     if timed_round {
-                        res.add_ms.push(add.as_secs_f64() * 1e3);
-                        res.del_ms.push(del.as_secs_f64() * 1e3);
+                        let (adds, dels) = if hook == 3 {
+                            (&mut res.add_skl_ms, &mut res.del_skl_ms)
+                        } else {
+                            (&mut res.add_ms, &mut res.del_ms)
+                        };
+                        adds.push(add.as_secs_f64() * 1e3);
+                        dels.push(del.as_secs_f64() * 1e3);
                     }
                 }
                 1 => {
@@ -361,6 +375,7 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                 container_id: &cid,
                 pod: "strace",
                 cidr,
+                inbound_hook: None,
             };
             // TCX_INGRESS is attach type 46; strace prints it as a number or by name.
             let attach = call.bpf_call_ms("ADD", "BPF_LINK_CREATE", &out)?;

@@ -191,10 +191,14 @@ impl Report {
                 fmt_ratio(ratio(m.median(Mode::Sidestep), m.median(Mode::Iptables)))
             ));
         }
-        if let Some((_, _, Some(r))) = self.cni.as_ref().map(super::sections::cni_add_target) {
+        if let Some(c) = &self.cni
+            && let (_, _, Some(r)) = super::sections::cni_add_target(c, &c.add_ms)
+        {
+            let (_, _, rs) = super::sections::cni_add_target(c, &c.add_skl_ms);
             parts.push(format!(
-                "a sidestep-cni ADD takes {} of the time of installing Istio's rules with iptables-restore and ip6tables-restore (p50, whole processes)",
-                fmt_ratio(Some(r))
+                "a sidestep-cni ADD takes {} of the time of installing Istio's rules with iptables-restore and ip6tables-restore (p50, whole processes; {} with `inbound_hook: sk_lookup`)",
+                fmt_ratio(Some(r)),
+                fmt_ratio(rs)
             ));
         }
         let mut s = parts.join("; ");
@@ -448,13 +452,18 @@ impl Report {
         }
         match &self.cni {
             Some(c) => {
-                let (add, best, r) = super::sections::cni_add_target(c);
+                let (add, best, r) = super::sections::cni_add_target(c, &c.add_ms);
+                let (skl, _, rs) = super::sections::cni_add_target(c, &c.add_skl_ms);
                 let _ = writeln!(
                     o,
-                    "| CNI ADD p50 ≤ 0.5× the iptables install | sidestep-cni ADD (a whole process) p50 {} vs the faster Istio install (iptables-restore + ip6tables-restore) {} = {}; see the CNI section for where ADD's time goes | {} |",
-                    fmt_ms(add),
+                    "| CNI ADD p50 ≤ 0.5× the iptables install | sidestep-cni ADD (a whole process) p50 against the faster Istio install (iptables-restore + ip6tables-restore, {}): `inbound_hook: tc` (default) {} = {}, **{}**; `inbound_hook: sk_lookup` {} = {}, **{}**. See the CNI section for where ADD's time goes | {} |",
                     fmt_ms(best),
+                    fmt_ms(add),
                     fmt_ratio(r),
+                    super::sections::verdict_at_most(r, 0.5).trim_matches('*'),
+                    fmt_ms(skl),
+                    fmt_ratio(rs),
+                    super::sections::verdict_at_most(rs, 0.5).trim_matches('*'),
                     super::sections::verdict_at_most(r, 0.5)
                 );
             }

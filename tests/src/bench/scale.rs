@@ -280,6 +280,7 @@ impl Node {
             container_id: cid,
             pod,
             cidr,
+            inbound_hook: None,
         }
     }
 
