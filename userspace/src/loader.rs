@@ -313,12 +313,12 @@ fn load_inner(
                 }
             })?;
         } else {
-            let link = sys::cgroup_link_create(prog_fd.as_fd(), cgroup.as_fd(), spec.attach_type)
+            let link = sys::link_create(prog_fd.as_fd(), cgroup.as_fd(), spec.attach_type)
                 .map_err(|source| LoadError::Attach {
-                name: spec.name,
-                cgroup: opts.cgroup.clone(),
-                source,
-            })?;
+                    name: spec.name,
+                    cgroup: opts.cgroup.clone(),
+                    source,
+                })?;
             sys::obj_pin(link.as_fd(), &link_path).map_err(|source| LoadError::Pin {
                 path: link_path.clone(),
                 source,

@@ -33,8 +33,9 @@ fn zeroed_attr() -> bpf_attr {
     unsafe { std::mem::zeroed() }
 }
 
-/// BPF_LINK_CREATE for a cgroup attach type. Cgroup links always allow multiple programs.
-pub fn cgroup_link_create(
+/// BPF_LINK_CREATE of `prog` on `target`: a cgroup (cgroup links always allow multiple programs)
+/// or a network namespace (sk_lookup).
+pub fn link_create(
     prog: BorrowedFd<'_>,
     cgroup: BorrowedFd<'_>,
     attach_type: bpf_attach_type,

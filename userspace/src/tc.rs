@@ -3,7 +3,7 @@
 
 use std::{
     fs,
-    os::unix::fs::DirBuilderExt,
+    os::{fd::AsFd as _, unix::fs::DirBuilderExt},
     path::{Path, PathBuf},
 };
 
@@ -69,7 +69,13 @@ pub fn attach_inbound(
             Some(w) => w,
             None => interfaces_here()?,
         };
-        let mut prog = SchedClassifier::from_pin(&prog_path).map_err(std::io::Error::other)?;
+        // Only the tc hook needs the program through aya (whose first use probes the kernel).
+        let mut prog = match hook {
+            InboundHook::Tc => {
+                Some(SchedClassifier::from_pin(&prog_path).map_err(std::io::Error::other)?)
+            }
+            InboundHook::SkLookup => None,
+        };
         let tcx = has_tcx();
         let mut attached = Vec::new();
         for name in names.into_iter().filter(|n| !excluded.contains(n)) {
@@ -77,11 +83,11 @@ pub fn attach_inbound(
             if pin.exists() {
                 detach_links_under_file(&pin);
             }
-            if hook == InboundHook::SkLookup {
+            let Some(prog) = prog.as_mut() else {
                 let ifindex = nix::net::if_::if_nametoindex(name.as_str())?;
                 attached.push((name, ifindex));
                 continue;
-            }
+            };
             // Kernels before 6.6 have no TCX; aya then attaches through netlink and needs clsact.
             // With TCX the qdisc is not used, and adding it costs a netlink round trip and, on a
             // fresh interface, a qdisc graft, in every ADD.
@@ -157,7 +163,9 @@ fn sk_lookup_pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
         .join(netns_cookie.to_string())
 }
 
-/// The pod's sk_lookup link (the kernel's listener lookup, for SYNs tc leaves to it).
+/// The pod's sk_lookup link (the kernel's listener lookup: every captured SYN with the sk_lookup
+/// hook, those tc leaves to it with tc). Made with raw bpf(2) calls: loading a pinned program
+/// through aya first probes the kernel's features, a dozen test loads that an ADD need not pay.
 fn attach_sk_lookup(
     layout: &PinLayout,
     netns: &Netns,
@@ -172,17 +180,15 @@ fn attach_sk_lookup(
         return Ok(());
     }
     mkdir_private(pin.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
-    let mut prog = aya::programs::SkLookup::from_pin(layout.program(program_names::SK_LOOKUP))
-        .map_err(|e| io(std::io::Error::other(e)))?;
+    let prog = crate::sys::obj_get(&layout.program(program_names::SK_LOOKUP)).map_err(io)?;
     let netns_file = fs::File::open(netns.path()).map_err(io)?;
-    let id = prog
-        .attach(&netns_file)
-        .map_err(|e| io(std::io::Error::other(format!("attach sk_lookup: {e}"))))?;
-    let link: FdLink = prog
-        .take_link(id)
-        .map_err(|e| io(std::io::Error::other(e)))?
-        .into();
-    link.pin(&pin)
+    let link = crate::sys::link_create(
+        prog.as_fd(),
+        netns_file.as_fd(),
+        aya_obj::generated::bpf_attach_type::BPF_SK_LOOKUP,
+    )
+    .map_err(|e| io(std::io::Error::other(format!("attach sk_lookup: {e}"))))?;
+    crate::sys::obj_pin(link.as_fd(), &pin)
         .map_err(|e| io(std::io::Error::other(format!("pin {}: {e}", pin.display()))))?;
     Ok(())
 }
