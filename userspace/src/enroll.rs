@@ -85,7 +85,7 @@ pub fn enroll_netns(
         ) {
             Ok(a) => {
                 crate::sys::failpoint("enroll:after-links");
-                if let Err(e) = set_interfaces(&mut maps, netns_cookie, &a) {
+                if let Err(e) = set_interfaces(&mut maps, netns_cookie, &a, was_enrolled) {
                     if !was_enrolled {
                         let _ = unenroll_cookie(&mut maps, netns_cookie);
                         let _ = tc::detach_inbound(&layout, netns_cookie);
@@ -219,11 +219,14 @@ fn remove_addresses(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[[u32; 4]])
     }
 }
 
-/// Records which interfaces carry inbound capture, replacing the pod's earlier set.
+/// Records which interfaces carry inbound capture, replacing the pod's earlier set. A first
+/// enrolment has no earlier set (netns cookies are never reused), so it skips the map scan that
+/// would make ADD cost grow with the node's pods.
 fn set_interfaces(
     maps: &mut PolicyMaps,
     netns_cookie: u64,
     attached: &[(String, u32)],
+    was_enrolled: bool,
 ) -> Result<(), MapsError> {
     let keys: Vec<InterfaceKey> = attached
         .iter()
@@ -238,7 +241,9 @@ fn set_interfaces(
             .insert(key, 1, 0)
             .map_err(|e| classify(map_names::INTERFACES, 0, e))?;
     }
-    remove_interfaces(maps, netns_cookie, &keys);
+    if was_enrolled {
+        remove_interfaces(maps, netns_cookie, &keys);
+    }
     Ok(())
 }
 
