@@ -7,14 +7,14 @@
 use std::{collections::HashSet, path::Path};
 
 use aya::maps::lpm_trie::Key;
-use sidestep_abi::{CidrKey, InterfaceKey, PortKey, flags, map_names};
+use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, flags, map_names};
 
 use crate::{
     error::{EnrollError, MapsError},
     maps::{PolicyMaps, classify},
     netns::Netns,
     pins::PinLayout,
-    policy::{MapEntries, Policy},
+    policy::{CidrSet, MapEntries, Policy},
     tc, tproxy,
 };
 
@@ -74,13 +74,20 @@ pub fn enroll_netns(
             let _ = tproxy::configure(netns, false);
         }
     };
+    // Re-routed virtual interfaces skip inbound capture (istio-iptables: `-i <nic> -j RETURN`).
+    let not_inbound: Vec<String> = policy
+        .exclude_interfaces
+        .iter()
+        .chain(&policy.reroute_virtual_interfaces)
+        .cloned()
+        .collect();
     let attached = if entries.pod.flags & flags::INBOUND != 0 {
         match tc::attach_inbound(
             &layout,
             netns,
             netns_cookie,
             interfaces,
-            &policy.exclude_interfaces,
+            &not_inbound,
             policy.inbound_hook,
         ) {
             Ok(a) => {
@@ -108,6 +115,21 @@ pub fn enroll_netns(
         tc::detach_inbound(&layout, netns_cookie)?;
         Vec::new()
     };
+    if let Err(e) = set_reroute(
+        &layout,
+        &mut maps,
+        netns,
+        netns_cookie,
+        policy,
+        was_enrolled,
+    ) {
+        if !was_enrolled {
+            let _ = unenroll_cookie(&mut maps, netns_cookie);
+            let _ = tc::detach_inbound(&layout, netns_cookie);
+        }
+        undo_tproxy();
+        return Err(e);
+    }
     if !tproxy_mode
         && previous_flags.is_some_and(|f| f & flags::TPROXY != 0)
         && let Err(e) = tproxy::configure(netns, false)
@@ -247,6 +269,102 @@ fn set_interfaces(
     Ok(())
 }
 
+/// Re-routed virtual interfaces: their map entries, then their tc links, replacing the pod's
+/// earlier set. istio-iptables adds the re-route rules only when includeOutboundIPRanges is not
+/// empty (`*`, or one rule per CIDR); otherwise the interfaces only lose inbound capture.
+/// On failure this call's entries and links are gone.
+fn set_reroute(
+    layout: &PinLayout,
+    maps: &mut PolicyMaps,
+    netns: &Netns,
+    netns_cookie: u64,
+    policy: &Policy,
+    was_enrolled: bool,
+) -> Result<(), EnrollError> {
+    let names: &[String] = if policy.include_outbound_ip_ranges.is_empty() {
+        &[]
+    } else {
+        &policy.reroute_virtual_interfaces
+    };
+    let all_ranges = matches!(policy.include_outbound_ip_ranges, CidrSet::All);
+    let found = if names.is_empty() {
+        Vec::new()
+    } else {
+        tc::reroute_interfaces(netns, netns_cookie, names, all_ranges)?
+    };
+    let mut added = Vec::new();
+    let written = (|| {
+        for (name, iface) in &found {
+            if let Ok(other) = maps.reroute_ifaces.get(&iface.key, 0)
+                && other.netns_cookie != netns_cookie
+            {
+                return Err(EnrollError::Reroute(format!(
+                    "interface {name} (ifindex {}, MAC {}) has the ifindex and MAC of a \
+                     re-routed interface of netns cookie {}",
+                    iface.key.ifindex,
+                    iface
+                        .key
+                        .mac
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<Vec<_>>()
+                        .join(":"),
+                    other.netns_cookie
+                )));
+            }
+            maps.reroute_ifaces
+                .insert(iface.key, iface.value, 0)
+                .map_err(|e| classify(map_names::REROUTE_IFACES, 0, e))?;
+            added.push(iface.key);
+        }
+        if !names.is_empty() {
+            tc::attach_reroute(layout, netns, netns_cookie, names)?;
+        } else if was_enrolled {
+            tc::detach_reroute(layout, netns_cookie);
+        }
+        Ok(())
+    })();
+    let keep: Vec<RerouteIfKey> = found.iter().map(|(_, i)| i.key).collect();
+    if let Err(e) = written {
+        for key in &added {
+            let _ = maps.reroute_ifaces.remove(key);
+        }
+        return Err(e);
+    }
+    // A first enrolment has nothing to replace (netns cookies are never reused).
+    if was_enrolled {
+        remove_reroute(maps, netns_cookie, &keep);
+    }
+    Ok(())
+}
+
+/// Removes the cookie's re-routed interfaces except `keep`, and, when it had some and none is
+/// kept, the connections they DNATed (a pod that never had one costs no scan of that LRU).
+fn remove_reroute(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[RerouteIfKey]) {
+    let stale: Vec<RerouteIfKey> = maps
+        .reroute_ifaces
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| v.netns_cookie == netns_cookie && !keep.contains(k))
+        .map(|(k, _)| k)
+        .collect();
+    let had_some = !stale.is_empty() || !keep.is_empty();
+    for key in stale {
+        let _ = maps.reroute_ifaces.remove(&key);
+    }
+    if had_some && keep.is_empty() {
+        let conns: Vec<_> = maps
+            .reroute_nat
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.netns_cookie == netns_cookie)
+            .collect();
+        for key in conns {
+            let _ = maps.reroute_nat.remove(&key);
+        }
+    }
+}
+
 fn remove_interfaces(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[InterfaceKey]) {
     let stale: Vec<InterfaceKey> = maps
         .interfaces
@@ -300,6 +418,7 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
     let _ = maps.counters.remove(&netns_cookie);
     remove_addresses(maps, netns_cookie, &[]);
     remove_interfaces(maps, netns_cookie, &[]);
+    remove_reroute(maps, netns_cookie, &[]);
     Ok(was_enrolled)
 }
 

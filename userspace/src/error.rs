@@ -149,4 +149,8 @@ pub enum EnrollError {
         "{0} has no interface for inbound capture (all excluded, or none but lo); name one with --interface, or turn inbound capture off with --include-inbound-ports ''"
     )]
     NoInterface(PathBuf),
+    /// A re-routed virtual interface cannot be captured (missing, no MAC, or its ifindex and MAC
+    /// already belong to another pod).
+    #[error("istio.io/reroute-virtual-interfaces: {0}")]
+    Reroute(String),
 }

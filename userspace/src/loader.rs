@@ -92,7 +92,12 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
 ];
 
 /// Programs attached per pod (inside its netns) rather than at the cgroup.
-pub const POD_PROGRAMS: [&str; 2] = [program_names::TC_INGRESS, program_names::SK_LOOKUP];
+pub const POD_PROGRAMS: [&str; 4] = [
+    program_names::TC_INGRESS,
+    program_names::SK_LOOKUP,
+    program_names::REROUTE_INGRESS,
+    program_names::REROUTE_EGRESS,
+];
 
 /// Programs attached to a map rather than a hook.
 pub const MAP_PROGRAMS: [&str; 1] = [program_names::SK_MSG];
@@ -435,11 +440,23 @@ fn update_pod_links(layout: &PinLayout, ebpf: &aya::Ebpf) -> Result<(), LoadErro
     };
     let tc_prog = fd(program_names::TC_INGRESS)?;
     let lookup_prog = fd(program_names::SK_LOOKUP)?;
+    let reroute_in = fd(program_names::REROUTE_INGRESS)?;
+    let reroute_eg = fd(program_names::REROUTE_EGRESS)?;
     let mut pins = Vec::new();
     if let Ok(pods) = fs::read_dir(layout.links_dir().join("tc")) {
         for pod in pods.flatten() {
             if let Ok(ifaces) = fs::read_dir(pod.path()) {
-                pins.extend(ifaces.flatten().map(|i| (i.path(), tc_prog.as_fd())));
+                pins.extend(ifaces.flatten().map(|i| {
+                    let name = i.file_name().to_string_lossy().into_owned();
+                    let prog = if name.ends_with(crate::tc::REROUTE_INGRESS_SUFFIX) {
+                        reroute_in.as_fd()
+                    } else if name.ends_with(crate::tc::REROUTE_EGRESS_SUFFIX) {
+                        reroute_eg.as_fd()
+                    } else {
+                        tc_prog.as_fd()
+                    };
+                    (i.path(), prog)
+                }));
             }
         }
     }

@@ -4,7 +4,9 @@
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues, lpm_trie::LpmTrie};
-use sidestep_abi::{CidrKey, Counters, PodPolicy, PortKey, map_names};
+use sidestep_abi::{
+    CidrKey, Counters, OrigDst, PodPolicy, PortKey, RerouteIf, RerouteIfKey, TupleKey, map_names,
+};
 
 use crate::{error::MapsError, pins::PinLayout};
 
@@ -14,6 +16,9 @@ pub type CidrMap = LpmTrie<MapData, CidrKey, u8>;
 pub type CounterMap = PerCpuHashMap<MapData, u64, Counters>;
 pub type AddressMap = HashMap<MapData, [u32; 4], u64>;
 pub type InterfaceMap = HashMap<MapData, sidestep_abi::InterfaceKey, u8>;
+pub type RerouteIfMap = HashMap<MapData, RerouteIfKey, RerouteIf>;
+/// LRU hash; aya's HashMap handle reads and deletes it like a plain hash.
+pub type RerouteNatMap = HashMap<MapData, TupleKey, OrigDst>;
 
 pub struct PolicyMaps {
     pub pods: PodMap,
@@ -22,6 +27,8 @@ pub struct PolicyMaps {
     pub counters: CounterMap,
     pub addresses: AddressMap,
     pub interfaces: InterfaceMap,
+    pub reroute_ifaces: RerouteIfMap,
+    pub reroute_nat: RerouteNatMap,
     pub pod_capacity: u32,
 }
 
@@ -59,6 +66,8 @@ impl PolicyMaps {
             counters: typed(&layout, map_names::COUNTERS)?,
             addresses: typed(&layout, map_names::POD_ADDRESSES)?,
             interfaces: typed(&layout, map_names::INTERFACES)?,
+            reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES)?,
+            reroute_nat: typed(&layout, map_names::REROUTE_NAT)?,
             pod_capacity,
         })
     }

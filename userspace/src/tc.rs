@@ -213,13 +213,220 @@ pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
     sk_lookup_pin(layout, netns_cookie).exists()
 }
 
-/// The interfaces of a pod that currently have a pinned tc link.
+/// The interfaces of a pod that currently have a pinned inbound tc link.
 pub fn attached_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
     fs::read_dir(pod_links_dir(layout, netns_cookie))
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !is_reroute_pin(n))
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Pin-name suffixes of a re-routed interface's two links, beside the inbound links in
+/// `<pin_root>/links/tc/<netns cookie>/`. An interface name cannot contain ':', so the pins never
+/// clash with an inbound link's (bpffs refuses '.' in names).
+pub const REROUTE_INGRESS_SUFFIX: &str = ":reroute-ingress";
+pub const REROUTE_EGRESS_SUFFIX: &str = ":reroute-egress";
+
+fn is_reroute_pin(name: &str) -> bool {
+    name.ends_with(REROUTE_INGRESS_SUFFIX) || name.ends_with(REROUTE_EGRESS_SUFFIX)
+}
+
+/// One re-routed virtual interface as the data path knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RerouteInterface {
+    pub key: sidestep_abi::RerouteIfKey,
+    pub value: sidestep_abi::RerouteIf,
+}
+
+/// Reads what REDIRECT would use on each of `names` in the pod netns: its ifindex and MAC (what
+/// the tc programs find it by) and its first IPv4 and first IPv6 address (the kernel's REDIRECT
+/// takes the first address of the incoming interface). A listed interface that does not exist
+/// fails: iptables would hold a rule by name until the interface appears, but a tc program needs
+/// the device, and the pod must not run with a listed interface uncaptured.
+pub fn reroute_interfaces(
+    netns: &Netns,
+    netns_cookie: u64,
+    names: &[String],
+    all_ranges: bool,
+) -> Result<Vec<(String, RerouteInterface)>, EnrollError> {
+    use sidestep_abi::{RerouteIf, RerouteIfKey, reroute_flags};
+    let names = names.to_vec();
+    // The closure's own errors are the interface's, not the netns's: carried out as Ok(Err).
+    let found = netns.run(move || {
+        let addrs: Vec<_> = nix::ifaddrs::getifaddrs()
+            .map_err(std::io::Error::from)?
+            .collect();
+        let mut out = Vec::new();
+        for name in names {
+            let ifindex = match nix::net::if_::if_nametoindex(name.as_str()) {
+                Ok(i) => i,
+                Err(e) => {
+                    return Ok(Err(format!(
+                        "interface {name} does not exist in the pod netns ({e}); sidestep \
+                         attaches to it at enrolment and cannot wait for it to appear"
+                    )));
+                }
+            };
+            let mut key = RerouteIfKey {
+                ifindex,
+                ..Default::default()
+            };
+            let mut value = RerouteIf {
+                netns_cookie,
+                flags: if all_ranges {
+                    reroute_flags::ALL_RANGES
+                } else {
+                    0
+                },
+                ..Default::default()
+            };
+            let mut has_mac = false;
+            for a in addrs.iter().filter(|a| a.interface_name == name) {
+                let Some(addr) = a.address.as_ref() else {
+                    continue;
+                };
+                if let Some(link) = addr.as_link_addr()
+                    && let Some(mac) = link.addr()
+                {
+                    key.mac = mac;
+                    has_mac = true;
+                } else if let Some(v4) = addr.as_sockaddr_in()
+                    && value.flags & reroute_flags::HAS_V4 == 0
+                {
+                    let ip = std::net::IpAddr::V4(v4.ip());
+                    value.addr4 = crate::policy::address_words(&ip);
+                    value.flags |= reroute_flags::HAS_V4;
+                } else if let Some(v6) = addr.as_sockaddr_in6()
+                    && value.flags & reroute_flags::HAS_V6 == 0
+                {
+                    let ip = std::net::IpAddr::V6(v6.ip());
+                    value.addr6 = crate::policy::address_words(&ip);
+                    value.flags |= reroute_flags::HAS_V6;
+                }
+            }
+            if !has_mac {
+                return Ok(Err(format!("interface {name} has no Ethernet address")));
+            }
+            out.push((name, RerouteInterface { key, value }));
+        }
+        Ok(Ok(out))
+    })?;
+    found.map_err(EnrollError::Reroute)
+}
+
+/// Attaches the re-route programs (tc ingress DNAT, tc egress reverse rewrite) to each interface,
+/// pinned as `<ifname>:reroute-ingress` / `<ifname>:reroute-egress` in the pod's tc link
+/// directory, and detaches those of interfaces no longer listed. On failure every re-route link
+/// of the pod is gone.
+pub fn attach_reroute(
+    layout: &PinLayout,
+    netns: &Netns,
+    netns_cookie: u64,
+    names: &[String],
+) -> Result<(), EnrollError> {
+    let dir = pod_links_dir(layout, netns_cookie);
+    mkdir_private(&dir).map_err(|source| EnrollError::StateDir {
+        path: dir.clone(),
+        source,
+    })?;
+    let ingress_path = layout.program(program_names::REROUTE_INGRESS);
+    let egress_path = layout.program(program_names::REROUTE_EGRESS);
+    let names = names.to_vec();
+    let dir_in = dir.clone();
+    let result = netns.run(move || {
+        let wanted: Vec<String> = names
+            .iter()
+            .flat_map(|n| {
+                [
+                    format!("{n}{REROUTE_INGRESS_SUFFIX}"),
+                    format!("{n}{REROUTE_EGRESS_SUFFIX}"),
+                ]
+            })
+            .collect();
+        for e in fs::read_dir(&dir_in)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if is_reroute_pin(&name) && !wanted.contains(&name) {
+                detach_links_under_file(&e.path());
+            }
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        let mut ingress =
+            SchedClassifier::from_pin(&ingress_path).map_err(std::io::Error::other)?;
+        let mut egress = SchedClassifier::from_pin(&egress_path).map_err(std::io::Error::other)?;
+        let tcx = has_tcx();
+        for name in &names {
+            if !tcx
+                && let Err(e) = tc::qdisc_add_clsact(name)
+                && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
+                && !matches!(&e, tc::TcError::NetlinkError(_))
+            {
+                tracing::debug!(interface = %name, error = %e, "clsact");
+            }
+            for (prog, kind, suffix) in [
+                (&mut ingress, TcAttachType::Ingress, REROUTE_INGRESS_SUFFIX),
+                (&mut egress, TcAttachType::Egress, REROUTE_EGRESS_SUFFIX),
+            ] {
+                let pin = dir_in.join(format!("{name}{suffix}"));
+                if pin.exists() {
+                    detach_links_under_file(&pin);
+                }
+                let id = prog.attach(name, kind).map_err(|e| {
+                    std::io::Error::other(format!("attach re-route {kind:?} to {name}: {e}"))
+                })?;
+                let link = prog.take_link(id).map_err(std::io::Error::other)?;
+                match FdLink::try_from(link) {
+                    Ok(fd_link) => {
+                        fd_link.pin(&pin).map_err(|e| {
+                            std::io::Error::other(format!("pin {}: {e}", pin.display()))
+                        })?;
+                    }
+                    Err(aya::programs::links::LinkError::InvalidLink) => {}
+                    Err(e) => return Err(std::io::Error::other(e)),
+                }
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        detach_reroute(layout, netns_cookie);
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+/// Detaches the pod's re-route links only (the inbound ones stay).
+pub fn detach_reroute(layout: &PinLayout, netns_cookie: u64) {
+    let dir = pod_links_dir(layout, netns_cookie);
+    if let Ok(entries) = fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            if is_reroute_pin(&e.file_name().to_string_lossy()) {
+                detach_links_under_file(&e.path());
+            }
+        }
+    }
+    // Empty once nothing else is attached; a directory with inbound links stays.
+    let _ = fs::remove_dir(&dir);
+}
+
+/// The re-routed interfaces of a pod that have both links pinned.
+pub fn rerouted_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
+    let names: Vec<String> = fs::read_dir(pod_links_dir(layout, netns_cookie))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names
+        .iter()
+        .filter_map(|n| n.strip_suffix(REROUTE_INGRESS_SUFFIX))
+        .filter(|i| names.contains(&format!("{i}{REROUTE_EGRESS_SUFFIX}")))
+        .map(str::to_string)
+        .collect()
 }

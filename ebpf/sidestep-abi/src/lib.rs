@@ -19,7 +19,11 @@ pub mod map_names {
     pub const LISTENERS: &str = "SIDESTEP_LSTN";
     pub const INTERFACES: &str = "SIDESTEP_IFACES";
     pub const NESTED_LOOKUP: &str = "SIDESTEP_NEST";
-    pub const ALL: [&str; 11] = [
+    pub const REROUTE_IFACES: &str = "SIDESTEP_RRIF";
+    pub const REROUTE_NAT: &str = "SIDESTEP_RNAT";
+    pub const ALL: [&str; 13] = [
+        REROUTE_IFACES,
+        REROUTE_NAT,
         NESTED_LOOKUP,
         LISTENERS,
         INTERFACES,
@@ -49,6 +53,10 @@ pub mod program_names {
     pub const RECVMSG6: &str = "sidestep_recvmsg6";
     pub const SK_MSG: &str = "sidestep_sk_msg";
     pub const SK_LOOKUP: &str = "sidestep_sk_lookup";
+    /// tc ingress on a re-routed virtual interface: DNAT of its TCP to the outbound port.
+    pub const REROUTE_INGRESS: &str = "sidestep_reroute_in";
+    /// tc egress on the same interface: the reverse rewrite of the proxy's replies.
+    pub const REROUTE_EGRESS: &str = "sidestep_reroute_eg";
 }
 
 /// Default capacities. Userspace may override them at load time.
@@ -63,6 +71,10 @@ pub mod capacity {
     /// App and proxy sockets of local redirected connections, for sk_msg (two per connection).
     pub const SOCKETS: u32 = 65536;
     pub const INTERFACES: u32 = 4 * PODS;
+    /// Re-routed virtual interfaces, over all pods.
+    pub const REROUTE_IFACES: u32 = 4 * PODS;
+    /// Connections DNATed on re-routed interfaces (LRU: the oldest are evicted when full).
+    pub const REROUTE_NAT: u32 = 65536;
 }
 
 pub mod defaults {
@@ -183,6 +195,8 @@ pub mod redirect_kind {
     /// Not redirected: the TPROXY-mode proxy's transparent connection to its app, recorded so
     /// that sk_lookup recognises its SYN (a foreign source arriving over lo) and leaves it alone.
     pub const TPROXY_PASSTHROUGH: u16 = 4;
+    /// A connection that arrived on a re-routed virtual interface, DNATed to the outbound port.
+    pub const REROUTE: u16 = 5;
 }
 
 /// What the socket's peer really was before sidestep redirected it.
@@ -236,6 +250,42 @@ pub struct ListenerKey {
 pub struct InterfaceKey {
     pub netns_cookie: u64,
     pub ifindex: u32,
+    pub _reserved: u32,
+}
+
+/// Key of `SIDESTEP_RRIF`: a re-routed virtual interface, as a packet on it names it (the
+/// device's ifindex and its MAC address: destination on ingress, source on egress). The netns
+/// cookie cannot key it: on ingress `bpf_get_netns_cookie` answers for the sender's socket when
+/// the skb still carries one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RerouteIfKey {
+    pub ifindex: u32,
+    pub mac: [u8; 6],
+    pub _reserved: u16,
+}
+
+/// `RerouteIf::flags` bits.
+pub mod reroute_flags {
+    /// `addr4` holds the interface's primary IPv4 address.
+    pub const HAS_V4: u32 = 1 << 0;
+    /// `addr6` holds the interface's first IPv6 address.
+    pub const HAS_V6: u32 = 1 << 1;
+    /// includeOutboundIPRanges is `*`: every destination is re-routed.
+    pub const ALL_RANGES: u32 = 1 << 2;
+}
+
+/// Value of `SIDESTEP_RRIF`: the pod that owns the interface and the addresses REDIRECT would
+/// DNAT to (the interface's first IPv4 and first IPv6 address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RerouteIf {
+    pub netns_cookie: u64,
+    /// IPv4-mapped.
+    pub addr4: [u32; 4],
+    pub addr6: [u32; 4],
+    /// `reroute_flags`.
+    pub flags: u32,
     pub _reserved: u32,
 }
 
@@ -315,6 +365,10 @@ mod user {
     unsafe impl aya::Pod for ListenerKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for InterfaceKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for RerouteIfKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for RerouteIf {}
 }
 
 #[cfg(test)]
@@ -331,6 +385,8 @@ mod tests {
         assert_eq!(size_of::<OrigDst>(), 24);
         assert_eq!(size_of::<TupleKey>(), 48);
         assert_eq!(size_of::<Counters>(), 64);
+        assert_eq!(size_of::<RerouteIfKey>(), 12);
+        assert_eq!(size_of::<RerouteIf>(), 48);
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod inbound;
 mod maps;
 mod peername;
 mod policy;
+mod reroute;
 mod sklookup;
 mod skmsg;
 mod sockops;

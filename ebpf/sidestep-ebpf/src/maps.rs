@@ -5,7 +5,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use sidestep_abi::{
-    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PortKey, TupleKey, capacity,
+    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PortKey, RerouteIf, RerouteIfKey,
+    TupleKey, capacity,
 };
 
 /// Enrolment: a netns with no entry here is never touched.
@@ -60,6 +61,18 @@ pub static SIDESTEP_IFACES: HashMap<InterfaceKey, u8, { capacity::INTERFACES as 
 /// must not steer or count the SYN a second time (tc decides it).
 #[btf_map]
 pub static SIDESTEP_NEST: PerCpuArray<u32, 1> = PerCpuArray::new();
+
+/// Re-routed virtual interfaces: (ifindex, MAC) -> owning pod and the addresses to DNAT to.
+#[btf_map]
+pub static SIDESTEP_RRIF: HashMap<RerouteIfKey, RerouteIf, { capacity::REROUTE_IFACES as usize }> =
+    HashMap::new();
+
+/// Connections DNATed on a re-routed interface, keyed as the proxy's accepted socket sees them
+/// (pod cookie, client, interface address, client port, outbound port) -> original destination.
+/// A new SYN on the same key overwrites; LRU evicts the rest.
+#[btf_map]
+pub static SIDESTEP_RNAT: LruHashMap<TupleKey, OrigDst, { capacity::REROUTE_NAT as usize }> =
+    LruHashMap::new();
 
 /// Looks up (and with `init`, creates) the original destination stored on any socket pointer the
 /// verifier accepts for sk_storage: the `sk` of a sock_addr, sock_ops or sockopt context.

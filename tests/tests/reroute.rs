@@ -1,0 +1,521 @@
+//! Re-routed virtual interfaces (`istio.io/reroute-virtual-interfaces`, formerly
+//! `traffic.sidecar.istio.io/kubevirtInterfaces`): TCP arriving on such an interface goes to the
+//! proxy's outbound listener, whatever its destination, as istio-iptables'
+//! `-i <nic> [-d <include cidr>] -j ISTIO_REDIRECT` does.
+//!
+//! Topology: a subject pod made by the CNI chain gets an extra veth `vm0` (192.168.77.1/24,
+//! fd77::1/64) whose far end sits in a third netns playing the VM (192.168.77.2, fd77::2, default
+//! routes via the pod). A second pod is the remote server.
+//!
+//! - `reroute_matches_istios_ruleset`: a differential table, every scenario under Istio's real
+//!   ruleset (the oracle) and under sidestep, printed with both columns and asserted equal.
+//! - `vm_reaches_remote_nginx_through_the_proxy`: an Envoy-like forwarding proxy as UID 1337, IPv4
+//!   and IPv6 end to end; outside the include ranges the VM reaches the server directly; with no
+//!   listener the connection is refused (never bypasses); unenrolment leaves no links or map
+//!   entries; a listed interface that does not exist fails the enrolment and leaves nothing.
+//!
+//! Needs root; skips otherwise.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::Value;
+use sidestep_tests::{
+    Node, NodeOptions, Pod, Spawn, TestEnv,
+    istio_iptables::IstioCapture,
+    netns, nginx,
+    parity::{Listeners, Names, Oracle, Outcome, outcome, render_table},
+    sidestep::Loaded,
+    skip_unless_root, wait_for_tcp,
+};
+
+const IFACE: &str = "vm0";
+const GW4: &str = "192.168.77.1";
+const GW6: &str = "fd77::1";
+const APP_UID: u32 = 1000;
+
+fn probe() -> &'static str {
+    env!("CARGO_BIN_EXE_probe")
+}
+
+fn run(argv: &[&str]) -> Result<String> {
+    let out = Command::new(argv[0]).args(&argv[1..]).output()?;
+    ensure!(
+        out.status.success(),
+        "`{}` failed: {}",
+        argv.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The VM: a netns behind `vm0` of the pod. Deleting it deletes the veth pair too.
+struct Vm {
+    name: String,
+}
+
+impl Vm {
+    fn attach(pod: &Pod, tag: &str) -> Result<Self> {
+        let name = format!("ssrr-{}-{tag}", std::process::id());
+        netns::create(&name)?;
+        let vm = Vm { name };
+        let (p, v) = (pod.netns_name.as_str(), vm.name.as_str());
+        run(&[
+            "ip", "-n", p, "link", "add", IFACE, "type", "veth", "peer", "name", "eth0", "netns", v,
+        ])?;
+        run(&[
+            "ip",
+            "-n",
+            p,
+            "addr",
+            "add",
+            &format!("{GW4}/24"),
+            "dev",
+            IFACE,
+        ])?;
+        netns::add_addr(p, IFACE, &format!("{GW6}/64"))?;
+        run(&["ip", "-n", p, "link", "set", IFACE, "up"])?;
+        run(&["ip", "-n", v, "link", "set", "lo", "up"])?;
+        run(&[
+            "ip",
+            "-n",
+            v,
+            "addr",
+            "add",
+            "192.168.77.2/24",
+            "dev",
+            "eth0",
+        ])?;
+        netns::add_addr(v, "eth0", "fd77::2/64")?;
+        run(&["ip", "-n", v, "link", "set", "eth0", "up"])?;
+        run(&["ip", "-n", v, "route", "add", "default", "via", GW4])?;
+        run(&["ip", "-n", v, "-6", "route", "add", "default", "via", GW6])?;
+        netns::wait_no_tentative(p, Duration::from_secs(5))?;
+        netns::wait_no_tentative(v, Duration::from_secs(5))?;
+        Ok(vm)
+    }
+
+    /// `probe connect` from the VM: its JSON line.
+    fn connect(&self, to: SocketAddr, http: bool) -> Result<Value> {
+        let to = to.to_string();
+        let mut argv = vec![
+            "ip",
+            "netns",
+            "exec",
+            &self.name,
+            probe(),
+            "connect",
+            &to,
+            "--timeout-ms",
+            "3000",
+        ];
+        if http {
+            argv.push("--http");
+        }
+        let out = Command::new(argv[0]).args(&argv[1..]).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .last()
+            .context("probe connect printed nothing")?;
+        serde_json::from_str(line).with_context(|| format!("probe connect printed {line:?}"))
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Err(e) = netns::delete(&self.name) {
+            eprintln!("deleting VM netns {}: {e:#}", self.name);
+        }
+    }
+}
+
+/// A policy file naming the re-routed interface (the CLI has no flag for it).
+fn reroute_policy(env: &TestEnv, ifaces: &[&str]) -> Result<PathBuf> {
+    let path = env
+        .tmp_dir()
+        .join(format!("reroute-{}.json", ifaces.join("-")));
+    std::fs::write(
+        &path,
+        serde_json::json!({ "rerouteVirtualInterfaces": ifaces }).to_string(),
+    )?;
+    Ok(path)
+}
+
+/// One policy of the table, in both forms.
+struct Case {
+    name: &'static str,
+    include: String,
+    exclude: String,
+    exclude_ports: String,
+    /// Destinations the VM connects to.
+    targets: Vec<SocketAddr>,
+}
+
+fn sidestep_args(c: &Case, policy_file: &Path) -> Vec<String> {
+    vec![
+        "--policy".into(),
+        policy_file.display().to_string(),
+        "--include-outbound-ip-ranges".into(),
+        c.include.clone(),
+        "--exclude-outbound-ip-ranges".into(),
+        c.exclude.clone(),
+        "--exclude-outbound-ports".into(),
+        c.exclude_ports.clone(),
+    ]
+}
+
+fn istio_capture(c: &Case) -> IstioCapture {
+    IstioCapture {
+        include_outbound_ip_ranges: c.include.clone(),
+        exclude_outbound_ip_ranges: c.exclude.clone(),
+        exclude_outbound_ports: c.exclude_ports.clone(),
+        reroute_virtual_interfaces: IFACE.into(),
+        ipv6: true,
+        ..Default::default()
+    }
+}
+
+fn observe(vm: &Vm, names: &Names, listeners: &mut Listeners, to: SocketAddr) -> Result<Outcome> {
+    let client = vm.connect(to, false)?;
+    let wait = if client.get("errno").is_some() {
+        Duration::from_millis(300)
+    } else {
+        Duration::from_secs(3)
+    };
+    let accepted = listeners.take(wait)?;
+    outcome(names, &client, &accepted)
+}
+
+/// tests/tests/parity.rs's rule G: a connection nothing redirected gets its own local address from
+/// SO_ORIGINAL_DST under Istio's rules (they turn conntrack on in the pod), ENOENT from sidestep.
+fn rule_g(istio: &Outcome) -> Outcome {
+    let mut o = istio.clone();
+    if o.accepted == "15001" {
+        return o;
+    }
+    let local = o.local.clone();
+    for v in [&mut o.orig_v4, &mut o.orig_v6] {
+        if *v == local {
+            *v = "ENOENT".into();
+        }
+    }
+    o
+}
+
+#[test]
+fn reroute_matches_istios_ruleset() -> Result<()> {
+    if skip_unless_root("reroute_matches_istios_ruleset") {
+        return Ok(());
+    }
+    let env = TestEnv::new("reroute-parity")?;
+    let node = Node::new(&env, NodeOptions::dual_stack())?;
+    let subject = node.add_pod("subject")?;
+    let server = node.add_pod("server")?;
+    let vm = Vm::attach(&subject, "t")?;
+    let (s4, s6) = (subject.ipv4, subject.ipv6.context("no IPv6")?);
+    let (p4, p6) = (server.ipv4, server.ipv6.context("no IPv6")?);
+    let mut names = Names::default();
+    names.add(s4.into(), "S4");
+    names.add(s6.into(), "S6");
+    names.add(p4.into(), "P4");
+    names.add(p6.into(), "P6");
+    names.add(GW4.parse()?, "G4");
+    names.add(GW6.parse()?, "G6");
+
+    let mut listeners = Listeners::default();
+    let any4: IpAddr = "0.0.0.0".parse()?;
+    let any6: IpAddr = "::".parse()?;
+    listeners.start(
+        &env,
+        probe(),
+        Some(&subject),
+        1337,
+        1337,
+        &[SocketAddr::new(any4, 15001), SocketAddr::new(any6, 15001)],
+        |_| "15001".into(),
+    )?;
+    listeners.start(
+        &env,
+        probe(),
+        Some(&subject),
+        APP_UID,
+        APP_UID,
+        &[SocketAddr::new(any4, 8080), SocketAddr::new(any6, 8080)],
+        |p| format!("S:{p}"),
+    )?;
+
+    let sa = |ip: IpAddr, port| SocketAddr::new(ip, port);
+    let default_targets = vec![
+        sa(p4.into(), 80),
+        sa(p6.into(), 80),
+        sa(s4.into(), 8080),
+        sa(s6.into(), 8080),
+    ];
+    let cases = vec![
+        Case {
+            name: "defaults",
+            include: "*".into(),
+            exclude: String::new(),
+            exclude_ports: "15020".into(),
+            targets: default_targets.clone(),
+        },
+        Case {
+            // PREROUTING's re-route rules come before, and apart from, ISTIO_OUTPUT's exclusions.
+            name: "exclude P, port 80",
+            include: "*".into(),
+            exclude: format!("{p4}/32,{p6}/128"),
+            exclude_ports: "80,8080".into(),
+            targets: default_targets.clone(),
+        },
+        Case {
+            name: "include P4 only",
+            include: format!("{p4}/32"),
+            exclude: String::new(),
+            exclude_ports: "15020".into(),
+            targets: vec![sa(p4.into(), 80), sa(s4.into(), 8080), sa(s6.into(), 8080)],
+        },
+        Case {
+            name: "include nothing",
+            include: String::new(),
+            exclude: String::new(),
+            exclude_ports: "15020".into(),
+            targets: vec![sa(s4.into(), 8080), sa(s6.into(), 8080)],
+        },
+    ];
+
+    let policy_file = reroute_policy(&env, &[IFACE])?;
+    let loaded = Loaded::load(&env)?;
+    let mut ours = Vec::new();
+    for c in &cases {
+        let args = sidestep_args(c, &policy_file);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        loaded.enroll(&subject, &args)?;
+        for t in &c.targets {
+            ours.push(
+                observe(&vm, &names, &mut listeners, *t)
+                    .with_context(|| format!("sidestep, {}: {t}", c.name))?,
+            );
+        }
+        loaded.unenroll(&subject)?;
+    }
+
+    let mut oracle = Oracle::new(&subject);
+    let mut istio = Vec::new();
+    for c in &cases {
+        oracle.apply(&istio_capture(c))?;
+        for t in &c.targets {
+            istio.push(
+                observe(&vm, &names, &mut listeners, *t)
+                    .with_context(|| format!("istio, {}: {t}", c.name))?,
+            );
+        }
+    }
+    oracle.clear()?;
+
+    let mut rows = Vec::new();
+    let mut i = 0;
+    for c in &cases {
+        for t in &c.targets {
+            let same = if istio[i] == ours[i] {
+                "="
+            } else if rule_g(&istio[i]) == ours[i] {
+                "G"
+            } else {
+                "DIFF"
+            };
+            rows.push(vec![
+                c.name.to_string(),
+                names.addr(*t),
+                istio[i].to_string(),
+                ours[i].to_string(),
+                same.to_string(),
+            ]);
+            i += 1;
+        }
+    }
+    println!(
+        "{}",
+        render_table(
+            &["policy", "VM connects to", "istio-iptables", "sidestep", ""],
+            &rows
+        )
+    );
+    // The anchor: a captured IPv4 connection looks as REDIRECT makes it look.
+    let anchor = &istio[0];
+    ensure!(
+        anchor.accepted == "15001"
+            && anchor.local == "G4:15001"
+            && anchor.orig_v4 == "P4:80"
+            && anchor.app_peer == "P4:80",
+        "Istio's ruleset gave {anchor}; the oracle is not what this test assumes"
+    );
+    println!(
+        "G = equal once sidestep's SO_ORIGINAL_DST answer is applied: ENOENT for a connection it \
+         did not redirect, where Istio's rules (conntrack on, no NAT) give the socket's own address"
+    );
+    let expected: Vec<Outcome> = istio.iter().map(rule_g).collect();
+    ensure!(
+        ours == expected,
+        "sidestep differs from Istio's ruleset (table above)"
+    );
+    Ok(())
+}
+
+/// Whether `probe connect --http` got a 200 response.
+fn ok_200(v: &Value) -> bool {
+    v["status"].as_str().is_some_and(|s| s.contains(" 200 "))
+}
+
+/// Entries of a pinned map, by bpftool.
+fn map_len(pin_root: &Path, map: &str) -> Result<usize> {
+    let path = pin_root.join("maps").join(map);
+    let out = run(&[
+        "bpftool",
+        "-j",
+        "map",
+        "dump",
+        "pinned",
+        &path.display().to_string(),
+    ])?;
+    let v: Value = serde_json::from_str(&out)?;
+    Ok(v.as_array().map_or(0, Vec::len))
+}
+
+#[test]
+fn vm_reaches_remote_nginx_through_the_proxy() -> Result<()> {
+    if skip_unless_root("vm_reaches_remote_nginx_through_the_proxy") {
+        return Ok(());
+    }
+    let env = TestEnv::new("reroute-e2e")?;
+    let node = Node::new(&env, NodeOptions::dual_stack())?;
+    let subject = node.add_pod("subject")?;
+    let server = node.add_pod("server")?;
+    let vm = Vm::attach(&subject, "e")?;
+    let _web = nginx::Server::start(&env, &server, 80)?;
+    let (s4, s6) = (subject.ipv4, subject.ipv6.context("no IPv6")?);
+    let (p4, p6) = (server.ipv4, server.ipv6.context("no IPv6")?);
+    // Without capture the pod routes the VM's traffic, and the server can answer it: a bypass
+    // would succeed, so a refused connection below means capture, not a missing route.
+    netns::set_sysctl(&subject.netns_path, "net.ipv4.ip_forward", "1")?;
+    netns::set_sysctl(&subject.netns_path, "net.ipv6.conf.all.forwarding", "1")?;
+    server.ip(&["route", "add", "192.168.77.0/24", "via", &s4.to_string()])?;
+    server.ip(&["-6", "route", "add", "fd77::/64", "via", &s6.to_string()])?;
+
+    let loaded = Loaded::load(&env)?;
+    let policy_file = reroute_policy(&env, &[IFACE])?;
+    let policy_arg = policy_file.display().to_string();
+    loaded.enroll(&subject, &["--policy", &policy_arg])?;
+    let cookie = subject.netns_cookie()?;
+    let links = env.pin_root().join("links/tc").join(cookie.to_string());
+    for suffix in [":reroute-ingress", ":reroute-egress"] {
+        let pin = links.join(format!("{IFACE}{suffix}"));
+        ensure!(pin.exists(), "{} not pinned", pin.display());
+    }
+    ensure!(!links.join(IFACE).exists(), "{IFACE} got inbound capture");
+
+    let proxy = subject.spawn(
+        &env,
+        Spawn::new(&[
+            probe(),
+            "proxy",
+            "0.0.0.0:15001,[::]:15001",
+            "-",
+            "--v6only",
+        ])
+        .user(1337, 1337),
+    )?;
+    wait_for_tcp(&subject, "127.0.0.1:15001".parse()?, Duration::from_secs(5))?;
+    for (dst, want_local, level) in [
+        (
+            SocketAddr::new(p4.into(), 80),
+            format!("{GW4}:15001"),
+            "orig_v4",
+        ),
+        (
+            SocketAddr::new(p6.into(), 80),
+            format!("[{GW6}]:15001"),
+            "orig_v6",
+        ),
+    ] {
+        let got = vm.connect(dst, true)?;
+        ensure!(
+            ok_200(&got) && got["peer"].as_str() == Some(&dst.to_string()),
+            "VM -> {dst}: {got}"
+        );
+        let report = proxy.stdout();
+        let line: Value = report
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v[level]["addr"].as_str() == Some(&dst.to_string()))
+            .with_context(|| format!("the proxy saw no connection to {dst}: {report}"))?;
+        ensure!(
+            line["local"].as_str() == Some(want_local.as_str()),
+            "proxy getsockname for {dst}: {line}"
+        );
+    }
+    let captured = proxy.stdout().lines().count();
+
+    // Outside includeOutboundIPRanges the VM's connection is not captured: it is routed.
+    loaded.enroll(
+        &subject,
+        &[
+            "--policy",
+            &policy_arg,
+            "--include-outbound-ip-ranges",
+            &format!("{s4}/32"),
+        ],
+    )?;
+    let got = vm.connect(SocketAddr::new(p4.into(), 80), true)?;
+    ensure!(ok_200(&got), "uncaptured: {got}");
+    ensure!(
+        proxy.stdout().lines().count() == captured,
+        "the proxy saw an uncaptured connection: {}",
+        proxy.stdout()
+    );
+
+    // Captured with no proxy listening: refused, never routed around the proxy.
+    loaded.enroll(&subject, &["--policy", &policy_arg])?;
+    drop(proxy);
+    for dst in [
+        SocketAddr::new(p4.into(), 80),
+        SocketAddr::new(p6.into(), 80),
+    ] {
+        let got = vm.connect(dst, true)?;
+        ensure!(
+            got.get("errno").is_some(),
+            "no listener, yet VM -> {dst} connected: {got}"
+        );
+    }
+
+    // Unenrolment leaves no link and no map entry behind.
+    ensure!(map_len(env.pin_root(), "SIDESTEP_RRIF")? == 1);
+    ensure!(map_len(env.pin_root(), "SIDESTEP_RNAT")? > 0);
+    loaded.unenroll(&subject)?;
+    ensure!(!links.exists(), "links left: {}", links.display());
+    for map in ["SIDESTEP_RRIF", "SIDESTEP_RNAT"] {
+        ensure!(map_len(env.pin_root(), map)? == 0, "{map} not empty");
+    }
+
+    // A listed interface that does not exist fails the enrolment, and nothing stays.
+    let missing = reroute_policy(&env, &["nope0"])?;
+    let missing_arg = missing.display().to_string();
+    match loaded.enroll(&subject, &["--policy", &missing_arg]) {
+        Ok(()) => bail!("enrolment with a missing re-routed interface succeeded"),
+        Err(e) => ensure!(format!("{e:#}").contains("nope0"), "{e:#}"),
+    }
+    ensure!(
+        loaded.status()?["pods"]
+            .as_array()
+            .is_none_or(Vec::is_empty),
+        "a pod entry stayed"
+    );
+    ensure!(!links.exists(), "links left after a failed enrolment");
+    ensure!(map_len(env.pin_root(), "SIDESTEP_RRIF")? == 0);
+    Ok(())
+}
