@@ -453,6 +453,10 @@ pub fn corpus() -> Result<()> {
             failures.join("\n")
         );
     }
+    println!(
+        "{} bad-input cases: each a spec error with its code, a non-zero exit, and no change",
+        cases.len()
+    );
     expect_ok(&call(&sb, "DEL", "good", &good, &conf)?, "DEL good")?;
     ensure!(sb.pods()?.is_empty() && sb.state_files().is_empty());
     Ok(())
