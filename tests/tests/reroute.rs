@@ -9,10 +9,11 @@
 //!
 //! - `reroute_matches_istios_ruleset`: a differential table, every scenario under Istio's real
 //!   ruleset (the oracle) and under sidestep, printed with both columns and asserted equal.
-//! - `vm_reaches_remote_nginx_through_the_proxy`: an Envoy-like forwarding proxy as UID 1337, IPv4
-//!   and IPv6 end to end; outside the include ranges the VM reaches the server directly; with no
-//!   listener the connection is refused (never bypasses); unenrolment leaves no links or map
-//!   entries; a listed interface that does not exist fails the enrolment and leaves nothing.
+//! - `vm_reaches_remote_nginx_through_the_proxy`: an unmodified HAProxy (IPv4) and an Envoy-like
+//!   forwarding proxy (IPv4 and IPv6) as UID 1337 end to end, also after an upgrade (load
+//!   again); outside the include ranges the VM reaches the server directly; with no listener the
+//!   connection is refused (never bypasses); unenrolment leaves no links or map entries; a listed
+//!   interface that does not exist fails the enrolment and leaves nothing.
 //!
 //! Needs root; skips otherwise.
 
@@ -26,7 +27,7 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 use sidestep_tests::{
-    Node, NodeOptions, Pod, Spawn, TestEnv,
+    Node, NodeOptions, Pod, Spawn, TestEnv, haproxy,
     istio_iptables::IstioCapture,
     netns, nginx,
     parity::{Listeners, Names, Oracle, Outcome, outcome, render_table},
@@ -418,6 +419,46 @@ fn vm_reaches_remote_nginx_through_the_proxy() -> Result<()> {
         ensure!(pin.exists(), "{} not pinned", pin.display());
     }
     ensure!(!links.join(IFACE).exists(), "{IFACE} got inbound capture");
+
+    // An unmodified HAProxy as UID 1337 follows SO_ORIGINAL_DST (IPv4; HAProxy 2.6 reads an
+    // IPv6 original destination from getsockname only). Its outbound frontend binds 0.0.0.0, as
+    // Envoy's 15001 listener does: REDIRECT lands on the interface's address, not on loopback.
+    {
+        let cfg = haproxy::render_config(&haproxy::SidecarConfig::default(), false)
+            .replace("bind 127.0.0.1:15001", "bind 0.0.0.0:15001");
+        let path = env.tmp_dir().join("haproxy-reroute.cfg");
+        std::fs::write(&path, cfg)?;
+        let path_s = path.display().to_string();
+        let mut haproxy = subject.spawn(
+            &env,
+            Spawn::new(&["haproxy", "-db", "-f", &path_s]).user(1337, 1337),
+        )?;
+        sidestep_tests::wait_listening(
+            &mut haproxy,
+            &["0.0.0.0:15001".parse()?],
+            Duration::from_secs(10),
+        )?;
+        let dst = SocketAddr::new(p4.into(), 80);
+        let got = vm.connect(dst, true)?;
+        ensure!(
+            ok_200(&got) && got["peer"].as_str() == Some(&dst.to_string()),
+            "VM -> {dst} through HAProxy: {got}; log {}",
+            haproxy.stderr()
+        );
+        // HAProxy's log: the frontend's address is the original destination it forwarded to.
+        let log = haproxy.stderr();
+        ensure!(
+            log.contains("outbound client=192.168.77.2:")
+                && log.contains(&format!("dst={dst} be=outbound_orig server={dst}")),
+            "HAProxy log: {log}"
+        );
+    }
+
+    // Loading again is an upgrade: each pinned link switches to its new program, and the
+    // re-route links must get the re-route programs (the connections below go through them).
+    let cgroup = env.cgroup_path().display().to_string();
+    let root = env.pin_root().display().to_string();
+    sidestep_tests::sidestep::sidestep(&["load", "--cgroup", &cgroup, "--pin-root", &root])?;
 
     let proxy = subject.spawn(
         &env,
