@@ -537,9 +537,11 @@ fn vm_reaches_remote_nginx_through_the_proxy() -> Result<()> {
     // Unenrolment leaves no link and no map entry behind.
     ensure!(map_len(env.pin_root(), "SIDESTEP_RRIF")? == 1);
     ensure!(map_len(env.pin_root(), "SIDESTEP_RNAT")? > 0);
+    ensure!(map_len(env.pin_root(), "SIDESTEP_PEND")? > 0);
     loaded.unenroll(&subject)?;
     ensure!(!links.exists(), "links left: {}", links.display());
-    for map in ["SIDESTEP_RRIF", "SIDESTEP_RNAT"] {
+    // SIDESTEP_PEND too: the refused SYNs above left unclaimed hand-overs.
+    for map in ["SIDESTEP_RRIF", "SIDESTEP_RNAT", "SIDESTEP_PEND"] {
         ensure!(map_len(env.pin_root(), map)? == 0, "{map} not empty");
     }
 

@@ -339,7 +339,8 @@ fn set_reroute(
 }
 
 /// Removes the cookie's re-routed interfaces except `keep`, and, when it had some and none is
-/// kept, the connections they DNATed (a pod that never had one costs no scan of that LRU).
+/// kept, the connections they DNATed and their unclaimed hand-overs in `SIDESTEP_PEND` (a SYN
+/// refused for want of a listener leaves one). A pod that never had one costs no LRU scan.
 fn remove_reroute(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[RerouteIfKey]) {
     let stale: Vec<RerouteIfKey> = maps
         .reroute_ifaces
@@ -361,6 +362,19 @@ fn remove_reroute(maps: &mut PolicyMaps, netns_cookie: u64, keep: &[RerouteIfKey
             .collect();
         for key in conns {
             let _ = maps.reroute_nat.remove(&key);
+        }
+        if let Ok(mut pending) = maps.pending() {
+            let stale: Vec<_> = pending
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(k, v)| {
+                    k.netns_cookie == netns_cookie && v.kind == sidestep_abi::redirect_kind::REROUTE
+                })
+                .map(|(k, _)| k)
+                .collect();
+            for key in stale {
+                let _ = pending.remove(&key);
+            }
         }
     }
 }

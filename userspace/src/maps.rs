@@ -30,6 +30,7 @@ pub struct PolicyMaps {
     pub reroute_ifaces: RerouteIfMap,
     pub reroute_nat: RerouteNatMap,
     pub pod_capacity: u32,
+    layout: PinLayout,
 }
 
 fn open(layout: &PinLayout, name: &'static str) -> Result<Map, MapsError> {
@@ -69,7 +70,14 @@ impl PolicyMaps {
             reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES)?,
             reroute_nat: typed(&layout, map_names::REROUTE_NAT)?,
             pod_capacity,
+            layout,
         })
+    }
+
+    /// The pending original-destination hand-over map (`SIDESTEP_PEND`), opened on demand: only
+    /// the unenrolment of a pod with re-routed interfaces sweeps it.
+    pub fn pending(&self) -> Result<RerouteNatMap, MapsError> {
+        typed(&self.layout, map_names::PENDING_ORIG_DST)
     }
 
     /// Every enrolled netns cookie with its policy.
