@@ -231,7 +231,8 @@ pub fn attached_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String>
 pub const REROUTE_INGRESS_SUFFIX: &str = ":reroute-ingress";
 pub const REROUTE_EGRESS_SUFFIX: &str = ":reroute-egress";
 
-fn is_reroute_pin(name: &str) -> bool {
+/// Whether a pin name under a pod's tc link directory is a re-route link.
+pub fn is_reroute_pin(name: &str) -> bool {
     name.ends_with(REROUTE_INGRESS_SUFFIX) || name.ends_with(REROUTE_EGRESS_SUFFIX)
 }
 

@@ -100,6 +100,10 @@ fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
     };
     let mut any = false;
     for e in entries.flatten() {
+        // A re-routed interface (a VM's) may go while its pod lives; only inbound links count.
+        if tc::is_reroute_pin(&e.file_name().to_string_lossy()) {
+            continue;
+        }
         let info = crate::sys::obj_get(&e.path()).and_then(|l| crate::sys::link_info(l.as_fd()));
         match info {
             Ok(i) if i.link_type == crate::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => any = true,
