@@ -14,6 +14,8 @@
 //!   again); outside the include ranges the VM reaches the server directly; with no listener the
 //!   connection is refused (never bypasses); unenrolment leaves no links or map entries; a listed
 //!   interface that does not exist fails the enrolment and leaves nothing.
+//! - `interfaces_sharing_ifindex_and_mac_are_refused`: the data path finds a re-routed interface
+//!   by (ifindex, MAC); a second pod with the same pair fails its enrolment, the first keeps it.
 //!
 //! Needs root; skips otherwise.
 
@@ -560,5 +562,62 @@ fn vm_reaches_remote_nginx_through_the_proxy() -> Result<()> {
     );
     ensure!(!links.exists(), "links left after a failed enrolment");
     ensure!(map_len(env.pin_root(), "SIDESTEP_RRIF")? == 0);
+    Ok(())
+}
+
+#[test]
+fn interfaces_sharing_ifindex_and_mac_are_refused() -> Result<()> {
+    if skip_unless_root("interfaces_sharing_ifindex_and_mac_are_refused") {
+        return Ok(());
+    }
+    let env = TestEnv::new("reroute-clash")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let first = node.add_pod("first")?;
+    let second = node.add_pod("second")?;
+    // The same ifindex and MAC in two pods: the programs could not tell them apart.
+    for pod in [&first, &second] {
+        pod.ip(&[
+            "link",
+            "add",
+            IFACE,
+            "index",
+            "4242",
+            "address",
+            "02:00:00:00:42:42",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "vm0peer",
+        ])?;
+        pod.ip(&["link", "set", IFACE, "up"])?;
+    }
+
+    let loaded = Loaded::load(&env)?;
+    let policy_file = reroute_policy(&env, &[IFACE])?;
+    let policy_arg = policy_file.display().to_string();
+    loaded.enroll(&first, &["--policy", &policy_arg])?;
+    match loaded.enroll(&second, &["--policy", &policy_arg]) {
+        Ok(()) => bail!("a second pod enrolled an interface with the first's ifindex and MAC"),
+        Err(e) => ensure!(
+            format!("{e:#}").contains(&format!("netns cookie {}", first.netns_cookie()?)),
+            "{e:#}"
+        ),
+    }
+    // The failed enrolment left nothing, and took nothing from the first pod.
+    let status = loaded.status()?;
+    ensure!(
+        status["pods"].as_array().map(Vec::len) == Some(1),
+        "{status}"
+    );
+    ensure!(map_len(env.pin_root(), "SIDESTEP_RRIF")? == 1);
+    let links = env.pin_root().join("links/tc");
+    ensure!(!links.join(second.netns_cookie()?.to_string()).exists());
+    ensure!(
+        links
+            .join(first.netns_cookie()?.to_string())
+            .join(format!("{IFACE}:reroute-ingress"))
+            .exists()
+    );
     Ok(())
 }
