@@ -475,7 +475,12 @@ impl Report {
             }
         }
         match self.scale.as_ref().and_then(super::sections::scale_targets) {
-            Some((pods, p99, _, conn, _)) => {
+            Some(super::sections::ScaleRatios {
+                pods,
+                add_p99: p99,
+                conn,
+                ..
+            }) => {
                 let both = match (p99, conn) {
                     (Some(a), Some(b)) => Some(a.max(b)),
                     _ => None,

@@ -8,8 +8,9 @@
 //! shared 2-core machine, levels measured one after another differed by more than the effect
 //! looked for. Per round and level:
 //! - one further ADD on a fresh netns, timed as a whole process, then its DEL (timed too), so
-//!   the level stays put; level N means N pods enrolled including the one being added;
-//! then, interleaved the same way, `windows` new-connection loops per level (`probe
+//!   the level stays put; level N means N pods enrolled including the one being added.
+//!
+//! Then, interleaved the same way, `windows` new-connection loops per level (`probe
 //! connect-many` as an app UID, against `probe origdst-echo` on the capture port as the proxy
 //! UID) with `kernel.bpf_stats_enabled` on: connect4 and sockops run time per call, and the
 //! loop's wall time per connection (medians over the windows); and the memory the kernel charges

@@ -76,23 +76,30 @@ pub fn cni_add_target(c: &CniBench, add_ms: &[f64]) -> (Option<f64>, Option<f64>
     (add, best, r)
 }
 
-/// Issue 6's scale targets, last level against the first: (pods at the last level, ADD p99
-/// ratio, ADD p50 ratio, per-connection loop time ratio, DEL p50 ratio).
-pub fn scale_targets(
-    s: &ScaleResult,
-) -> Option<(usize, Option<f64>, Option<f64>, Option<f64>, Option<f64>)> {
+/// Issue 6's scale targets: the last level's figures over the first's.
+pub struct ScaleRatios {
+    /// Pods enrolled at the last level.
+    pub pods: usize,
+    pub add_p99: Option<f64>,
+    pub add_p50: Option<f64>,
+    /// Per-connection loop time.
+    pub conn: Option<f64>,
+    pub del_p50: Option<f64>,
+}
+
+pub fn scale_targets(s: &ScaleResult) -> Option<ScaleRatios> {
     let (first, last) = (s.levels.first()?, s.levels.last()?);
     let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
         _ => None,
     };
-    Some((
-        last.pods,
-        r(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0)),
-        r(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0)),
-        r(last.conn_us, first.conn_us),
-        r(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0)),
-    ))
+    Some(ScaleRatios {
+        pods: last.pods,
+        add_p99: r(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0)),
+        add_p50: r(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0)),
+        conn: r(last.conn_us, first.conn_us),
+        del_p50: r(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0)),
+    })
 }
 
 pub fn cni_section(c: &CniBench, date: &str) -> String {
@@ -262,7 +269,14 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
                 .map_or("—".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0))
         );
     }
-    if let Some((last_pods, p99, p50, conn, del)) = scale_targets(s) {
+    if let Some(ScaleRatios {
+        pods: last_pods,
+        add_p99: p99,
+        add_p50: p50,
+        conn,
+        del_p50: del,
+    }) = scale_targets(s)
+    {
         let _ = writeln!(
             o,
             "\nTarget: ADD p99 at {} pods within 1.2× of the first pod's: {} — {} (p50 ratio {}). \
