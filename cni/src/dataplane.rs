@@ -40,6 +40,8 @@ pub trait Dataplane {
     fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
     /// Whether the pod's netns has its pinned sk_lookup link.
     fn has_sk_lookup(&self, cookie: u64) -> bool;
+    /// The pod's pinned re-route links (`<ifname>:reroute-ingress`, `…:reroute-egress`).
+    fn reroute_pins(&self, cookie: u64) -> Vec<String>;
 }
 
 #[derive(Debug)]
@@ -128,6 +130,10 @@ impl Dataplane for Pinned {
 
     fn has_sk_lookup(&self, cookie: u64) -> bool {
         tc::has_sk_lookup(&PinLayout::new(&self.pin_root), cookie)
+    }
+
+    fn reroute_pins(&self, cookie: u64) -> Vec<String> {
+        tc::reroute_pins(&PinLayout::new(&self.pin_root), cookie)
     }
 }
 

@@ -170,6 +170,54 @@ fn lifecycle() -> Result<()> {
     expect_ok(&call(&sb, "DEL", "skl", &d, &skl)?, "DEL sk_lookup")?;
     ensure!(!sb.pods()?.contains(&d_cookie) && !skl_pin.exists());
 
+    // A re-routed virtual interface through the plugin: its two links, which CHECK verifies;
+    // without the interface, ADD fails naming it and changes nothing.
+    let v = sb.add_netns("v")?;
+    let vname = v.file_name().unwrap().to_string_lossy().into_owned();
+    for args in [
+        vec!["link", "add", "vm0", "type", "veth", "peer", "name", "vm0p"],
+        vec!["addr", "add", "192.0.2.1/24", "dev", "vm0"],
+        vec!["link", "set", "vm0", "up"],
+    ] {
+        run(Command::new("ip").args(["-n", vname.as_str()]).args(args))?;
+    }
+    let mut rr = conf.clone();
+    rr["runtimeConfig"]["io.kubernetes.cri.pod-annotations"]["istio.io/reroute-virtual-interfaces"] =
+        json!("vm0");
+    let v_cookie = netns::cookie(&v)?;
+    expect_ok(&call(&sb, "ADD", "rr", &v, &rr)?, "ADD re-route")?;
+    let rr_dir = sb.pin_root.join("links/tc").join(v_cookie.to_string());
+    let egress = rr_dir.join("vm0:reroute-egress");
+    ensure!(
+        rr_dir.join("vm0:reroute-ingress").exists() && egress.exists(),
+        "re-route links missing"
+    );
+    expect_ok(&call(&sb, "CHECK", "rr", &v, &rr)?, "CHECK re-route")?;
+    fs::remove_file(&egress)?;
+    let o = call(&sb, "CHECK", "rr", &v, &rr)?;
+    expect_err(&o, 104, "CHECK without a re-route link")?;
+    ensure!(
+        o.json["msg"]
+            .as_str()
+            .unwrap_or("")
+            .contains("vm0:reroute-egress"),
+        "{}",
+        o.json
+    );
+    expect_ok(&call(&sb, "DEL", "rr", &v, &rr)?, "DEL re-route")?;
+    ensure!(!sb.pods()?.contains(&v_cookie) && !rr_dir.exists());
+    let before = (sb.pods()?, sb.tc_links(), sb.state_files());
+    let mut missing = rr.clone();
+    missing["runtimeConfig"]["io.kubernetes.cri.pod-annotations"]["istio.io/reroute-virtual-interfaces"] =
+        json!("vm1");
+    let o = call(&sb, "ADD", "rr", &v, &missing)?;
+    ensure!(
+        !o.ok && o.json["msg"].as_str().unwrap_or("").contains("vm1"),
+        "ADD with a missing re-routed interface: {}",
+        o.json
+    );
+    ensure!((sb.pods()?, sb.tc_links(), sb.state_files()) == before);
+
     // No annotations from the runtime: the pod is read from the (stand-in) Kubernetes API.
     let pod = json!({
         "metadata": {"name": "web", "namespace": "shop",

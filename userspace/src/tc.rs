@@ -225,6 +225,18 @@ pub fn attached_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String>
         .unwrap_or_default()
 }
 
+/// The pod's re-route link pins (`<ifname>:reroute-ingress`, `<ifname>:reroute-egress`).
+pub fn reroute_pins(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
+    fs::read_dir(pod_links_dir(layout, netns_cookie))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| is_reroute_pin(n))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Pin-name suffixes of a re-routed interface's two links, beside the inbound links in
 /// `<pin_root>/links/tc/<netns cookie>/`. An interface name cannot contain ':', so the pins never
 /// clash with an inbound link's (bpffs refuses '.' in names).

@@ -1,7 +1,10 @@
 //! CHECK: the attachment is still what ADD made it: programs loaded, the pod's map entry with
 //! the recorded policy, and the tc program on each recorded interface.
 
-use sidestep::policy::InboundHook;
+use sidestep::{
+    policy::InboundHook,
+    tc::{REROUTE_EGRESS_SUFFIX, REROUTE_INGRESS_SUFFIX},
+};
 
 use super::{Ctx, Resolved, pod_label, require_loaded, resolve};
 use crate::{
@@ -64,6 +67,25 @@ pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
             )));
         }
         Err(e) => return Err(failed(format!("cannot read the pod map: {e}"))),
+    }
+    // Re-routed interfaces get their two links whenever the pod captures any outbound range.
+    if !record.policy.include_outbound_ip_ranges.is_empty() {
+        let pins = ctx.dp.reroute_pins(cookie);
+        let missing: Vec<String> = record
+            .policy
+            .reroute_virtual_interfaces
+            .iter()
+            .flat_map(|i| {
+                [REROUTE_INGRESS_SUFFIX, REROUTE_EGRESS_SUFFIX].map(|s| format!("{i}{s}"))
+            })
+            .filter(|p| !pins.contains(p))
+            .collect();
+        if !missing.is_empty() {
+            return Err(failed(format!(
+                "the re-route links [{}] of netns cookie {cookie} are missing",
+                missing.join(", ")
+            )));
+        }
     }
     if record.interfaces.is_empty() {
         return Ok(());
