@@ -103,12 +103,21 @@ impl Dataplane for Fake {
     }
     /// What a real enrolment pins for the policy's re-routed interfaces.
     fn reroute_pins(&self, cookie: u64) -> Vec<String> {
-        self.0.pods.borrow().get(&cookie).map_or_else(Vec::new, |p| {
-            p.reroute_virtual_interfaces
-                .iter()
-                .flat_map(|i| [format!("{i}:reroute-ingress"), format!("{i}:reroute-egress")])
-                .collect()
-        })
+        self.0
+            .pods
+            .borrow()
+            .get(&cookie)
+            .map_or_else(Vec::new, |p| {
+                p.reroute_virtual_interfaces
+                    .iter()
+                    .flat_map(|i| {
+                        [
+                            format!("{i}:reroute-ingress"),
+                            format!("{i}:reroute-egress"),
+                        ]
+                    })
+                    .collect()
+            })
     }
 }
 
