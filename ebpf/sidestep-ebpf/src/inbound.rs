@@ -14,11 +14,12 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use sidestep_abi::{
-    OrigDst, PodPolicy, TupleKey, flags, linux, port_list, redirect_kind, socket_side, v4_mapped,
+    OrigDst, PodPolicy, TupleKey, flags, linux, port_list, redirect_kind, socket_side,
 };
 
 use crate::{
     maps::{SIDESTEP_ADDRS, SIDESTEP_NEST, SIDESTEP_PEND},
+    packet::{Segment, parse_tcp},
     policy::{self, port_listed},
 };
 
@@ -29,109 +30,15 @@ const PASS: i32 = 0;
 /// Captured but no proxy listens: drop rather than deliver around the proxy (fail closed).
 const DROP: i32 = 2;
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-const IPV6_HLEN: usize = core::mem::size_of::<Ipv6Head>();
-const TCP_FLAG_SYN: u8 = 0x02;
-const TCP_FLAG_ACK: u8 = 0x10;
 const TCP_LISTEN: u32 = 10;
-
-/// An inbound TCP segment, as much of it as the decision needs.
-struct Segment {
-    ipv6: bool,
-    src: [u32; 4],
-    dst: [u32; 4],
-    src_port_be: u16,
-    dst_port_be: u16,
-    tcp_flags: u8,
-}
 
 #[classifier]
 pub fn sidestep_tc_ingress(ctx: TcContext) -> i32 {
-    match parse(&ctx) {
+    match parse_tcp(&ctx) {
         // Only a SYN opens a connection; everything else already has its socket.
-        Some(seg) if seg.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN => {
-            on_syn(&ctx, &seg)
-        }
+        Some(seg) if seg.is_syn() => on_syn(&ctx, &seg),
         _ => NEXT,
     }
-}
-
-/// The fixed IPv4 header, read in one helper call.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Ipv4Head {
-    ver_ihl: u8,
-    _tos: u8,
-    _total_len: u16,
-    _id: u16,
-    _frag: u16,
-    _ttl: u8,
-    protocol: u8,
-    _check: u16,
-    src: u32,
-    dst: u32,
-}
-
-/// The IPv6 header, read in one helper call.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Ipv6Head {
-    _ver_class_flow: u32,
-    _payload_len: u16,
-    next_header: u8,
-    _hop_limit: u8,
-    src: [u32; 4],
-    dst: [u32; 4],
-}
-
-/// The first 14 bytes of a TCP header, up to the flags (every TCP header has 20 or more).
-#[repr(C, packed)]
-#[derive(Clone, Copy)]
-struct TcpHead {
-    src_port_be: u16,
-    dst_port_be: u16,
-    _seq: u32,
-    _ack: u32,
-    _data_offset: u8,
-    flags: u8,
-}
-
-/// This runs for every packet the pod receives, so the headers are read with one load each
-/// (bpf_skb_load_bytes per field cost eight helper calls a packet) and the ethertype comes
-/// from the skb itself.
-#[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Segment> {
-    let ethertype = u16::from_be(ctx.skb.protocol() as u16);
-    let (ipv6, src, dst, l4) = match ethertype {
-        ETH_P_IP => {
-            let ip: Ipv4Head = ctx.load(ETH_HLEN).ok()?;
-            if ip.protocol != linux::IPPROTO_TCP as u8 {
-                return None;
-            }
-            let ihl = ((ip.ver_ihl & 0x0f) as usize) * 4;
-            (false, v4_mapped(ip.src), v4_mapped(ip.dst), ETH_HLEN + ihl)
-        }
-        ETH_P_IPV6 => {
-            // Extension headers before TCP are not followed; such SYNs are left alone.
-            let ip: Ipv6Head = ctx.load(ETH_HLEN).ok()?;
-            if ip.next_header != linux::IPPROTO_TCP as u8 {
-                return None;
-            }
-            (true, ip.src, ip.dst, ETH_HLEN + IPV6_HLEN)
-        }
-        _ => return None,
-    };
-    let tcp: TcpHead = ctx.load(l4).ok()?;
-    Some(Segment {
-        ipv6,
-        src,
-        dst,
-        src_port_be: tcp.src_port_be,
-        dst_port_be: tcp.dst_port_be,
-        tcp_flags: tcp.flags,
-    })
 }
 
 /// Whether istio-iptables' ISTIO_INBOUND chain would redirect this destination port.

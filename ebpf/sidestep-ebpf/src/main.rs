@@ -7,6 +7,7 @@ mod context;
 mod dns;
 mod inbound;
 mod maps;
+mod packet;
 mod peername;
 mod policy;
 mod reroute;

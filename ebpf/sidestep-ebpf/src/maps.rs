@@ -5,8 +5,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use sidestep_abi::{
-    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PortKey, RerouteIf, RerouteIfKey,
-    TupleKey, capacity,
+    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PortKey, RerouteIf,
+    RerouteIfKey, TupleKey, capacity,
 };
 
 /// Enrolment: a netns with no entry here is never touched.

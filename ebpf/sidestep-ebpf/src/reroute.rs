@@ -19,12 +19,13 @@ use aya_ebpf::{
 };
 use sidestep_abi::{
     OrigDst, RerouteIf, RerouteIfKey, TupleKey, cidr_list, flags, linux, redirect_kind,
-    reroute_flags, socket_side, v4_mapped,
+    reroute_flags, socket_side,
 };
 
 use crate::{
     context::load,
     maps::{SIDESTEP_PEND, SIDESTEP_RNAT, SIDESTEP_RRIF},
+    packet::{ETH_HLEN, Segment, parse_tcp},
     policy,
 };
 
@@ -34,109 +35,18 @@ const NEXT: i32 = -1;
 /// packet on an interface without an address.
 const DROP: i32 = 2;
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 const IPV4_SRC_OFF: usize = ETH_HLEN + 12;
 const IPV4_DST_OFF: usize = ETH_HLEN + 16;
 const IPV6_SRC_OFF: usize = ETH_HLEN + 8;
 const IPV6_DST_OFF: usize = ETH_HLEN + 24;
-const IPV6_HLEN: usize = 40;
 const TCP_CSUM_OFF: usize = 16;
-const TCP_FLAG_SYN: u8 = 0x02;
-const TCP_FLAG_ACK: u8 = 0x10;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct EthHead {
     dst: [u8; 6],
     src: [u8; 6],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Ipv4Head {
-    ver_ihl: u8,
-    _tos: u8,
-    _total_len: u16,
-    _id: u16,
-    _frag: u16,
-    _ttl: u8,
-    protocol: u8,
-    _check: u16,
-    src: u32,
-    dst: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Ipv6Head {
-    _ver_class_flow: u32,
-    _payload_len: u16,
-    next_header: u8,
-    _hop_limit: u8,
-    src: [u32; 4],
-    dst: [u32; 4],
-}
-
-#[repr(C, packed)]
-#[derive(Clone, Copy)]
-struct TcpHead {
-    src_port_be: u16,
-    dst_port_be: u16,
-    _seq: u32,
-    _ack: u32,
-    _data_offset: u8,
-    flags: u8,
-}
-
-struct Segment {
-    ipv6: bool,
-    src: [u32; 4],
-    dst: [u32; 4],
-    src_port_be: u16,
-    dst_port_be: u16,
-    tcp_flags: u8,
-    /// Offset of the TCP header.
-    l4: usize,
-}
-
-#[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Segment> {
-    let ethertype = u16::from_be(ctx.skb.protocol() as u16);
-    let (ipv6, src, dst, l4) = match ethertype {
-        ETH_P_IP => {
-            let ip: Ipv4Head = ctx.load(ETH_HLEN).ok()?;
-            if ip.protocol != linux::IPPROTO_TCP as u8 {
-                return None;
-            }
-            let ihl = ((ip.ver_ihl & 0x0f) as usize) * 4;
-            if ihl < 20 {
-                return None;
-            }
-            (false, v4_mapped(ip.src), v4_mapped(ip.dst), ETH_HLEN + ihl)
-        }
-        ETH_P_IPV6 => {
-            // Extension headers before TCP are not followed; such packets pass untouched.
-            let ip: Ipv6Head = ctx.load(ETH_HLEN).ok()?;
-            if ip.next_header != linux::IPPROTO_TCP as u8 {
-                return None;
-            }
-            (true, ip.src, ip.dst, ETH_HLEN + IPV6_HLEN)
-        }
-        _ => return None,
-    };
-    let tcp: TcpHead = ctx.load(l4).ok()?;
-    Some(Segment {
-        ipv6,
-        src,
-        dst,
-        src_port_be: tcp.src_port_be,
-        dst_port_be: tcp.dst_port_be,
-        tcp_flags: tcp.flags,
-        l4,
-    })
 }
 
 /// The re-routed interface this packet is on; `ingress` picks the MAC that names it.
@@ -196,10 +106,10 @@ fn rewrite(
 
 #[classifier]
 pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
-    let Some(seg) = parse(&ctx) else {
+    let Some(seg) = parse_tcp(&ctx) else {
         return NEXT;
     };
-    let syn = seg.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN;
+    let syn = seg.is_syn();
     let Some(iface) = interface(&ctx, true) else {
         // Not (or no longer) a known re-routed interface: a new connection here must not go
         // around the proxy.
@@ -273,8 +183,7 @@ pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
         side: socket_side::ACCEPTED,
     };
     // A new SYN on a reused 4-tuple replaces whatever an earlier connection left.
-    if SIDESTEP_RNAT.insert(key, orig, 0).is_err() || SIDESTEP_PEND.insert(key, orig, 0).is_err()
-    {
+    if SIDESTEP_RNAT.insert(key, orig, 0).is_err() || SIDESTEP_PEND.insert(key, orig, 0).is_err() {
         return DROP;
     }
     if rewrite(&ctx, &seg, dst_off, seg.l4 + 2, old, new).is_err() {
@@ -286,7 +195,7 @@ pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn sidestep_reroute_eg(ctx: TcContext) -> i32 {
-    let Some(seg) = parse(&ctx) else {
+    let Some(seg) = parse_tcp(&ctx) else {
         return NEXT;
     };
     let Some(iface) = interface(&ctx, false) else {
