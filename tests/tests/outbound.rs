@@ -309,9 +309,9 @@ fn load_survives_the_loader_and_unload_leaves_nothing() -> Result<()> {
         .iter()
         .filter_map(|p| p["id"].as_u64())
         .collect();
-    // Plus tc ingress and sk_lookup (attached per pod at enrolment) and sk_msg (attached to
-    // the sockhash).
-    ensure!(prog_ids.len() == CGROUP_PROGRAMS + 3, "{status}");
+    // Plus tc ingress, sk_lookup and the two re-route programs (attached per pod at
+    // enrolment) and sk_msg (attached to the sockhash).
+    ensure!(prog_ids.len() == CGROUP_PROGRAMS + 5, "{status}");
     let cgroup = env.cgroup_path().display().to_string();
     let shown = std::process::Command::new("bpftool")
         .args(["cgroup", "show", &cgroup])
