@@ -193,6 +193,17 @@ fn lifecycle() -> Result<()> {
         "re-route links missing"
     );
     expect_ok(&call(&sb, "CHECK", "rr", &v, &rr)?, "CHECK re-route")?;
+    let status: Value = serde_json::from_str(&run(Command::new(bin_dir().join("sidestep"))
+        .args(["status", "--json", "--pin-root"])
+        .arg(&sb.pin_root))?)?;
+    ensure!(
+        status["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["netns_cookie"] == v_cookie && p["rerouted"] == json!(["vm0"])),
+        "status does not show vm0 re-routed: {status}"
+    );
     fs::remove_file(&egress)?;
     let o = call(&sb, "CHECK", "rr", &v, &rr)?;
     expect_err(&o, 104, "CHECK without a re-route link")?;

@@ -73,6 +73,21 @@ fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
             .exists(),
         "{hook}: no sk_lookup link"
     );
+    // `sidestep status` names the hook and the captured interface either way.
+    let status = loaded.status()?;
+    let row = status["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["netns_cookie"] == server.netns_cookie().unwrap_or(0))
+        .context("server not in status")?;
+    ensure!(
+        row["inbound_hook"] == hook
+            && row["inbound_ifindexes"]
+                .as_array()
+                .is_some_and(|v| v.len() == 1),
+        "status row: {row}"
+    );
     let body = nginx::body_for("server");
 
     // The server is captured inbound and its sidecar is not up yet: the SYN is dropped, so even

@@ -85,6 +85,20 @@ impl PolicyMaps {
         self.pods.iter().filter_map(Result::ok).collect()
     }
 
+    /// The ifindexes (inside the pod) of the interfaces whose inbound connections are captured.
+    /// A scan of the interface map: for `status`, never for ADD or DEL.
+    pub fn inbound_ifindexes(&self, netns_cookie: u64) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .interfaces
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.netns_cookie == netns_cookie)
+            .map(|k| k.ifindex)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The pod's counters summed over CPUs; zero when the pod has none.
     pub fn counters(&self, netns_cookie: u64) -> Counters {
         let mut total = Counters::default();

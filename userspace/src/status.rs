@@ -16,8 +16,22 @@ use crate::{
     maps::PolicyMaps,
     mounts,
     pins::PinLayout,
+    policy::InboundHook,
     sys,
 };
+
+/// The pod's re-routed interfaces: those with a re-route ingress link pinned.
+fn rerouted_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
+    let mut v: Vec<String> = crate::tc::reroute_pins(layout, netns_cookie)
+        .into_iter()
+        .filter_map(|p| {
+            p.strip_suffix(crate::tc::REROUTE_INGRESS_SUFFIX)
+                .map(str::to_owned)
+        })
+        .collect();
+    v.sort();
+    v
+}
 
 #[derive(Debug, Serialize)]
 pub struct Status {
@@ -49,8 +63,15 @@ pub struct Attachment {
 #[derive(Debug, Serialize)]
 pub struct PodStatus {
     pub netns_cookie: u64,
+    /// Where inbound capture hooks in: `tc`, `sk_lookup`, or `off`.
+    pub inbound_hook: &'static str,
     /// Interfaces carrying the inbound tc program.
     pub interfaces: Vec<String>,
+    /// Interfaces (their ifindex inside the pod) whose inbound connections are captured, by
+    /// either hook.
+    pub inbound_ifindexes: Vec<u32>,
+    /// Re-routed virtual interfaces with their two links.
+    pub rerouted: Vec<String>,
     pub policy: PolicySummary,
     pub counters: CounterSummary,
 }
@@ -178,7 +199,16 @@ pub fn collect(pin_root: &Path) -> Status {
                 .into_iter()
                 .map(|(cookie, policy)| PodStatus {
                     netns_cookie: cookie,
+                    inbound_hook: if policy.flags & flags::INBOUND == 0 {
+                        "off"
+                    } else if policy.flags & flags::INBOUND_SK_LOOKUP != 0 {
+                        InboundHook::SkLookup.as_str()
+                    } else {
+                        InboundHook::Tc.as_str()
+                    },
                     interfaces: crate::tc::attached_interfaces(&layout, cookie),
+                    inbound_ifindexes: maps.inbound_ifindexes(cookie),
+                    rerouted: rerouted_interfaces(&layout, cookie),
                     policy: summarize_policy(&policy),
                     counters: maps.counters(cookie).into(),
                 })
@@ -246,11 +276,27 @@ impl Status {
         for pod in &self.pods {
             let p = &pod.policy;
             let c = &pod.counters;
+            let inbound = match pod.inbound_hook {
+                "tc" => format!("inbound tc on [{}]", pod.interfaces.join(",")),
+                "sk_lookup" => format!(
+                    "inbound sk_lookup on ifindex [{}]",
+                    pod.inbound_ifindexes
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
+                other => format!("inbound {other}"),
+            };
+            let rerouted = if pod.rerouted.is_empty() {
+                String::new()
+            } else {
+                format!("  re-routed [{}]", pod.rerouted.join(","))
+            };
             let _ = writeln!(
                 out,
-                "  netns {:<8} inbound on [{}]  proxy uid {} gid {}  ports out {} in {} dns {}  [{}]",
+                "  netns {:<8} {inbound}{rerouted}  proxy uid {} gid {}  ports out {} in {} dns {}  [{}]",
                 pod.netns_cookie,
-                pod.interfaces.join(","),
                 p.proxy_uid,
                 p.proxy_gid,
                 p.outbound_port,
