@@ -21,6 +21,11 @@ use crate::spec::{
 
 pub const DEFAULT_PIN_ROOT: &str = sidestep::pins::DEFAULT_PIN_ROOT;
 pub const DEFAULT_STATE_DIR: &str = "/var/run/sidestep/cni";
+/// An ADD runs before any container of the pod starts, so the proxy opens its listener under the
+/// loaded sockops program, which is all the sk_lookup hook needs; it makes no TCX link (an RCU
+/// grace period per attach and per detach) and runs no program per received packet. Enrolments
+/// of running pods (the agent's repair) ask for `tc`, which also finds existing listeners.
+pub const DEFAULT_INBOUND_HOOK: InboundHook = InboundHook::SkLookup;
 /// The capability name containerd and CRI-O fill in when the plugin declares it.
 pub const POD_ANNOTATIONS_CAPABILITY: &str = "io.kubernetes.cri.pod-annotations";
 
@@ -337,7 +342,7 @@ impl PluginConfig {
             kubernetes,
             policy,
             fail_strategy: raw.fail_strategy.unwrap_or_default(),
-            inbound_hook: raw.inbound_hook.unwrap_or_default(),
+            inbound_hook: raw.inbound_hook.unwrap_or(DEFAULT_INBOUND_HOOK),
             pod_annotations: raw.runtime_config.and_then(|r| r.pod_annotations),
             prev_result,
             valid_attachments: raw.valid_attachments,

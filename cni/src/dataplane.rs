@@ -48,7 +48,7 @@ pub trait Dataplane {
 pub struct Pinned {
     pin_root: PathBuf,
     /// The netns [`Dataplane::netns_cookie`] opened, kept for the enrolment that follows in the
-    /// same ADD: reading a cookie costs a thread that enters the netns, and one is enough.
+    /// same ADD: opening it checks it is not the host's, and once is enough.
     opened: RefCell<Option<Netns>>,
 }
 

@@ -1,7 +1,7 @@
 //! The running agent keeps exactly the capabilities it needs (CAP_SYS_ADMIN and CAP_NET_ADMIN
 //! without scan-proc), in every thread and in the bounding set, and still does its work after
 //! dropping the rest: readiness from the pinned links, pod counts from the maps, the netns scan,
-//! and GC of a pod whose netns vanished without a DEL (map entries and tc links removed). It
+//! and GC of a pod whose netns vanished without a DEL (map entries and its sk_lookup link removed). It
 //! also starts with nothing more than what deploy/daemonset.yaml grants. Needs root.
 
 mod agent_support;
@@ -67,10 +67,14 @@ fn check_work(env: &TestEnv, d: &Dirs, agent: &mut Agent) -> Result<()> {
     wait_until("both pods in /metrics", Duration::from_secs(5), || {
         Ok(agent.metric("sidestep_pods_enrolled")? == 2.0)
     })?;
-    let links_of = |cookie: u64| env.pin_root().join(format!("links/tc/{cookie}"));
-    ensure!(links_of(gone_cookie).exists(), "no tc links for the pod");
+    // The plugin's default inbound hook pins one sk_lookup link per pod netns.
+    let links_of = |cookie: u64| env.pin_root().join(format!("links/sklookup/{cookie}"));
+    ensure!(
+        links_of(gone_cookie).exists(),
+        "no sk_lookup link for the pod"
+    );
     // The netns vanishes without a DEL reaching sidestep: the reconcile (setns for cookies,
-    // bpf(2) on the maps, tc link detach) collects it.
+    // bpf(2) on the maps, link removal) collects it.
     netns::delete(&gone.netns_name)?;
     wait_until("GC", Duration::from_secs(10), || {
         Ok(agent.metric("sidestep_gc_attachments_total")? == 1.0)
@@ -81,7 +85,10 @@ fn check_work(env: &TestEnv, d: &Dirs, agent: &mut Agent) -> Result<()> {
         left == [kept.netns_cookie()?].into(),
         "enrolled after GC: {left:?}"
     );
-    ensure!(!links_of(gone_cookie).exists(), "tc links left after GC");
+    ensure!(
+        !links_of(gone_cookie).exists(),
+        "sk_lookup link left after GC"
+    );
     ensure!(agent.get("/readyz")?.0 == 200);
     ensure!(
         !agent.log().contains("Operation not permitted"),

@@ -62,7 +62,7 @@ fn uninstall_leaves_nothing_and_del_still_succeeds() -> Result<()> {
     let pod = node.add_pod_with("web", meshed())?;
     ensure!(agent_support::enrolled_cookies(&env)? == [pod.netns_cookie()?]);
     let links = pinned_links(&env)?;
-    // Ten cgroup links and the pod's tc link.
+    // Ten cgroup links and the pod's sk_lookup link.
     ensure!(links.len() >= 11, "pinned links: {links:?}");
     ensure!(d.kubeconfig().exists() && d.bin.join("sidestep").exists());
     let st = agent.child.terminate(Duration::from_secs(10))?;

@@ -2,7 +2,7 @@
 //! as `sidestep`), issue 7:
 //!
 //! - N ADD/DEL cycles (200; 1,000 with `SIDESTEP_FULL_CHURN=1`), then 64 concurrent ADDs and 64
-//!   concurrent DELs, end exactly where they started: map entries, pinned tc links, state records,
+//!   concurrent DELs, end exactly where they started: map entries, pinned per-pod links, state records,
 //!   BPF objects and links, and this process's file descriptors;
 //! - a pod deleted while a connection through its HAProxy sidecar is open leaves nothing behind;
 //! - original-destination state is bounded: after 20,000 short redirected connections (1,000,000
@@ -172,11 +172,11 @@ fn add_del_cycles_and_concurrent_adds_end_where_they_started() -> Result<()> {
         during.maps["SIDESTEP_POD"] == start.maps["SIDESTEP_POD"] + CONCURRENT,
         "{during:?}"
     );
-    // Each pod pins a tc link under links/tc/<cookie>/ (two tree entries). bpftool's link list
-    // is only checked for having grown: while 64 ADDs settle, its count of tcx and netns links on
-    // our programs varied between runs; the end state below is compared exactly.
+    // Each pod pins its sk_lookup link (the plugin's default hook) as links/sklookup/<cookie>.
+    // bpftool's link list is only checked for having grown: while 64 ADDs settle, its count of
+    // netns links on our programs varied between runs; the end state below is compared exactly.
     ensure!(
-        during.tc_pins == start.tc_pins + 2 * CONCURRENT,
+        during.pod_link_pins == start.pod_link_pins + CONCURRENT,
         "{during:?}"
     );
     ensure!(during.links > start.links, "{during:?}");
@@ -223,11 +223,11 @@ fn add_del_cycles_and_concurrent_adds_end_where_they_started() -> Result<()> {
         "the resident pod's enrolment changed"
     );
     eprintln!(
-        "churn: end state = start state: maps {:?}, {} tc pins, {} records, {} links on our \
+        "churn: end state = start state: maps {:?}, {} per-pod link pins, {} records, {} links on our \
          programs, {} programs and {} maps pinned; bpftool: {} sidestep programs, {} maps on the \
          machine before and after; test process fds {fds_before} -> {fds_after}",
         end.maps,
-        end.tc_pins,
+        end.pod_link_pins,
         end.records,
         end.links,
         end.own_progs.len(),
@@ -337,10 +337,10 @@ fn pod_deleted_with_open_connections_leaves_nothing() -> Result<()> {
         .expect_state("after the connections closed", &start)?;
     eprintln!(
         "churn: pod deleted with {CONNS} connections open through HAProxy: DEL {:.0} ms, then maps {:?}, \
-         {} tc pins, {} records, {} links (= start) while they were open; SIDESTEP_PEND {pend} after close",
+         {} per-pod link pins, {} records, {} links (= start) while they were open; SIDESTEP_PEND {pend} after close",
         del_time.as_secs_f64() * 1000.0,
         after_del.maps,
-        after_del.tc_pins,
+        after_del.pod_link_pins,
         after_del.records,
         after_del.links
     );

@@ -65,9 +65,14 @@ fn pods_through_the_real_chain() -> Result<()> {
         !enrolled.contains(&plain.netns_cookie()?),
         "unmeshed pod enrolled"
     );
-    // The pod IPs came from prevResult, dual-stack: inbound capture is on eth0.
+    // The pod IPs came from prevResult, dual-stack: inbound capture is on eth0 (its one
+    // ifindex), through the plugin's default hook, sk_lookup.
     for pod in status["pods"].as_array().into_iter().flatten() {
-        ensure!(pod["interfaces"] == json!(["eth0"]), "{pod}");
+        ensure!(
+            pod["inbound_hook"] == "sk_lookup"
+                && pod["inbound_ifindexes"].as_array().map(Vec::len) == Some(1),
+            "{pod}"
+        );
     }
 
     let _web = nginx::Server::start(&env, &server, 80)?;
@@ -87,7 +92,7 @@ fn pods_through_the_real_chain() -> Result<()> {
         "unmeshed client to meshed server"
     );
 
-    // CNI DEL through the chain, in reverse: enrolment, tc links and records are gone.
+    // CNI DEL through the chain, in reverse: enrolment, per-pod links and records are gone.
     node.remove_pod(&client)?;
     node.remove_pod(&server)?;
     let status = loaded.status()?;
@@ -95,11 +100,10 @@ fn pods_through_the_real_chain() -> Result<()> {
         status["pods"].as_array().map(Vec::len) == Some(0),
         "{status}"
     );
-    let tc = loaded.pin_root().join("links/tc");
-    ensure!(
-        std::fs::read_dir(&tc).map(|d| d.count()).unwrap_or(0) == 0,
-        "tc links left"
-    );
+    for dir in ["links/tc", "links/sklookup"] {
+        let left = std::fs::read_dir(loaded.pin_root().join(dir)).map_or(0, |d| d.count());
+        ensure!(left == 0, "{left} pins left under {dir}");
+    }
     // Records and markers; the plugin's invocation log (`timings`) is not one.
     let records = std::fs::read_dir(&state_dir)
         .map(|d| {

@@ -76,10 +76,11 @@ fn lifecycle() -> Result<()> {
             "round {round}: pods {:?}",
             sb.pods()?
         );
+        // The default hook: the netns's sk_lookup link, no tc link.
         ensure!(
-            sb.tc_links() == [format!("{cookie}/eth0")],
+            sb.pod_links() == [format!("sklookup/{cookie}")],
             "links {:?}",
-            sb.tc_links()
+            sb.pod_links()
         );
         ensure!(sb.state_files().len() == 1);
     }
@@ -109,14 +110,14 @@ fn lifecycle() -> Result<()> {
         let o = call(&sb, "DEL", "c1", &a, &conf)?;
         expect_ok(&o, "DEL")?;
         ensure!(o.json.is_null());
-        ensure!(sb.pods()?.is_empty() && sb.tc_links().is_empty() && sb.state_files().is_empty());
+        ensure!(sb.pods()?.is_empty() && sb.pod_links().is_empty() && sb.state_files().is_empty());
     }
 
     // DEL after the netns is gone uses the record's cookie.
     expect_ok(&call(&sb, "ADD", "c1", &a, &conf)?, "ADD")?;
     sb.del_netns(&a)?;
     expect_ok(&call(&sb, "DEL", "c1", &a, &conf)?, "DEL without netns")?;
-    ensure!(sb.pods()?.is_empty() && sb.tc_links().is_empty() && sb.state_files().is_empty());
+    ensure!(sb.pods()?.is_empty() && sb.pod_links().is_empty() && sb.state_files().is_empty());
 
     // GC keeps what the runtime lists and removes the rest.
     let b = sb.add_netns("b")?;
@@ -137,38 +138,54 @@ fn lifecycle() -> Result<()> {
     );
     ensure!(sb.state_files().keys().eq(["keep@eth0.json"]));
 
-    // inbound_hook sk_lookup: no tc link, the per-netns sk_lookup link alone, and CHECK
-    // verifies that link.
+    // inbound_hook tc: a TCX link on eth0 beside the netns's sk_lookup link, and CHECK
+    // verifies both.
     let d = sb.add_netns("d")?;
-    let mut skl = conf.clone();
-    skl["inbound_hook"] = json!("sk_lookup");
+    let mut tc = conf.clone();
+    tc["inbound_hook"] = json!("tc");
     let d_cookie = netns::cookie(&d)?;
-    let tc_before = sb.tc_links();
-    expect_ok(&call(&sb, "ADD", "skl", &d, &skl)?, "ADD sk_lookup")?;
+    let before = sb.pod_links();
+    expect_ok(&call(&sb, "ADD", "tc", &d, &tc)?, "ADD tc")?;
     ensure!(sb.pods()?.contains(&d_cookie));
+    let mut want = before.clone();
+    want.extend([
+        format!("sklookup/{d_cookie}"),
+        format!("tc/{d_cookie}/eth0"),
+    ]);
+    want.sort();
+    ensure!(sb.pod_links() == want, "links {:?}", sb.pod_links());
+    let rec: Value = serde_json::from_slice(&fs::read(sb.state_dir().join("tc@eth0.json"))?)?;
+    ensure!(rec["policy"]["inboundHook"] == "tc", "{rec}");
+    expect_ok(&call(&sb, "CHECK", "tc", &d, &tc)?, "CHECK tc")?;
+    let tc_pin = sb
+        .pin_root
+        .join("links/tc")
+        .join(d_cookie.to_string())
+        .join("eth0");
+    fs::remove_file(&tc_pin)?;
+    let o = call(&sb, "CHECK", "tc", &d, &tc)?;
+    expect_err(&o, 104, "CHECK without the tc link")?;
     ensure!(
-        sb.tc_links() == tc_before,
-        "sk_lookup hook made tc links: {:?}",
-        sb.tc_links()
+        o.json["msg"].as_str().unwrap_or("").contains("tc program"),
+        "{}",
+        o.json
     );
+    // And without the sk_lookup link (the default hook's only link).
+    expect_ok(&call(&sb, "ADD", "tc", &d, &tc)?, "ADD tc repair")?;
     let skl_pin = sb
         .pin_root
         .join("links/sklookup")
         .join(d_cookie.to_string());
-    ensure!(skl_pin.exists(), "no sk_lookup link pinned");
-    let rec: Value = serde_json::from_slice(&fs::read(sb.state_dir().join("skl@eth0.json"))?)?;
-    ensure!(rec["policy"]["inboundHook"] == "sk_lookup", "{rec}");
-    expect_ok(&call(&sb, "CHECK", "skl", &d, &skl)?, "CHECK sk_lookup")?;
     fs::remove_file(&skl_pin)?;
-    let o = call(&sb, "CHECK", "skl", &d, &skl)?;
+    let o = call(&sb, "CHECK", "tc", &d, &tc)?;
     expect_err(&o, 104, "CHECK without the sk_lookup link")?;
     ensure!(
         o.json["msg"].as_str().unwrap_or("").contains("sk_lookup"),
         "{}",
         o.json
     );
-    expect_ok(&call(&sb, "DEL", "skl", &d, &skl)?, "DEL sk_lookup")?;
-    ensure!(!sb.pods()?.contains(&d_cookie) && !skl_pin.exists());
+    expect_ok(&call(&sb, "DEL", "tc", &d, &tc)?, "DEL tc")?;
+    ensure!(!sb.pods()?.contains(&d_cookie) && sb.pod_links() == before);
 
     // A re-routed virtual interface through the plugin: its two links, which CHECK verifies;
     // without the interface, ADD fails naming it and changes nothing.
@@ -217,7 +234,7 @@ fn lifecycle() -> Result<()> {
     );
     expect_ok(&call(&sb, "DEL", "rr", &v, &rr)?, "DEL re-route")?;
     ensure!(!sb.pods()?.contains(&v_cookie) && !rr_dir.exists());
-    let before = (sb.pods()?, sb.tc_links(), sb.state_files());
+    let before = (sb.pods()?, sb.pod_links(), sb.state_files());
     let mut missing = rr.clone();
     missing["runtimeConfig"]["io.kubernetes.cri.pod-annotations"]["istio.io/reroute-virtual-interfaces"] =
         json!("vm1");
@@ -227,7 +244,7 @@ fn lifecycle() -> Result<()> {
         "ADD with a missing re-routed interface: {}",
         o.json
     );
-    ensure!((sb.pods()?, sb.tc_links(), sb.state_files()) == before);
+    ensure!((sb.pods()?, sb.pod_links(), sb.state_files()) == before);
 
     // No annotations from the runtime: the pod is read from the (stand-in) Kubernetes API.
     let pod = json!({

@@ -93,8 +93,10 @@ fn plugin_killed_at_each_step_of_add_and_del_converges() -> Result<()> {
             .as_array()
             .into_iter()
             .flatten()
-            .any(|p| p["netns_cookie"] == cookie && p["interfaces"] == json!(["eth0"])),
-        "status does not show the pod with inbound on eth0: {status}"
+            .any(|p| p["netns_cookie"] == cookie
+                && p["inbound_hook"] == "sk_lookup"
+                && p["inbound_ifindexes"].as_array().map(Vec::len) == Some(1)),
+        "status does not show the pod with inbound by sk_lookup on its one interface: {status}"
     );
     s.plugin.ok("DEL", &s.node.pods()[0])?;
     s.plugin.expect("a clean DEL", &released)?;
@@ -259,7 +261,9 @@ fn upgrade_moves_pod_links_and_refuses_a_changed_map_layout() -> Result<()> {
     if skip_unless_root("upgrade_moves_pod_links_and_refuses_a_changed_map_layout") {
         return Ok(());
     }
-    let s = setup("faults-upgrade")?;
+    let mut s = setup("faults-upgrade")?;
+    // Both kinds of per-pod link: tc on eth0 and the netns's sk_lookup link.
+    s.plugin.entry["inbound_hook"] = json!("tc");
     let pod = s.node.add_pod_with("app", pod_options())?;
     s.plugin.ok("ADD", &pod)?;
     let cookie = pod.netns_cookie()?;

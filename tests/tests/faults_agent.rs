@@ -233,17 +233,25 @@ fn agent_killed_at_each_step_of_load_adopt_and_upgrade_converges() -> Result<()>
     a.wait_ready(Duration::from_secs(30))?;
     let node = d.node(&env, "10-test.conflist")?;
     let pod = node.add_pod_with("app", meshed())?;
+    // A second pod, so that an upgrade killed between per-pod links (upgrade:mid-pod-links)
+    // leaves one link on each program.
+    let other = node.add_pod_with("other", meshed())?;
     let cookie = pod.netns_cookie()?;
     ensure!(
-        enrolled_cookies(&root)?.contains(&cookie),
-        "pod not enrolled"
+        enrolled_cookies(&root)?.contains(&cookie)
+            && enrolled_cookies(&root)?.contains(&other.netns_cookie()?),
+        "pods not enrolled"
     );
     expect_redirect(&env, &root, &pod, cookie, "before any upgrade")?;
     let with_pod = layout(&root)?;
+    // The plugin's default inbound hook: each netns's sk_lookup link.
     ensure!(
-        with_pod.keys().any(|k| k.starts_with("links/tc/"))
-            && with_pod.keys().any(|k| k.starts_with("links/sklookup/")),
-        "the pod has no per-pod links: {with_pod:?}"
+        with_pod
+            .keys()
+            .filter(|k| k.starts_with("links/sklookup/"))
+            .count()
+            == 2,
+        "the pods have no per-pod links: {with_pod:?}"
     );
     a.child.kill()?;
     let b = object_b(&env)?;
@@ -454,7 +462,10 @@ fn agent_repairs_lost_pins_and_reports_damaged_state() -> Result<()> {
     ensure!(
         !enrolled_cookies(&root)?.contains(&half_cookie)
             && !plugin.record_path(&half).exists()
-            && !pin_root.join(format!("links/tc/{half_cookie}")).exists(),
+            && !pin_root.join(format!("links/tc/{half_cookie}")).exists()
+            && !pin_root
+                .join(format!("links/sklookup/{half_cookie}"))
+                .exists(),
         "the half-done ADD was not undone"
     );
     plugin.ok("ADD", &half)?;
@@ -462,7 +473,7 @@ fn agent_repairs_lost_pins_and_reports_damaged_state() -> Result<()> {
     plugin.ok("DEL", &half)?;
 
     // A garbage record and the netns gone before DEL: DEL cannot name the cookie (it exits 0
-    // and says so); the kernel can: the pod's tc link lost its interface.
+    // and says so); the kernel can: the pod's sk_lookup link lost its netns.
     let lost = bare.add_pod_with("lost", meshed())?;
     plugin.ok("ADD", &lost)?;
     let lost_cookie = lost.netns_cookie()?;

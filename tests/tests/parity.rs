@@ -8,7 +8,8 @@
 //! netns, reached at the bridge address `GW`). Probe listeners report each accepted connection:
 //! in S the proxy's 15001/15006/15053 (UID 1337) and app ports, in P and on the node app ports.
 //!
-//! The whole table runs through sidestep first, then through the oracle. The oracle's rules are
+//! The whole table runs through sidestep first, once per inbound hook (tc, sk_lookup), then
+//! through the oracle. The oracle's rules are
 //! removed after each set and checked gone at the end: while a REDIRECT rule exists in a netns,
 //! conntrack tracks every connection there and the kernel answers SO_ORIGINAL_DST itself (which
 //! is why the oracle reports a non-redirected socket's own address; see rule G below).
@@ -29,6 +30,8 @@ use sidestep_tests::{
     skip_unless_root,
 };
 
+/// Every scenario runs through sidestep with each inbound hook.
+const HOOKS: [&str; 2] = ["tc", "sk_lookup"];
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
 /// A process that is not the proxy UID but runs with the proxy's GID.
@@ -650,11 +653,11 @@ fn collect(
     topo: &Topology,
     listeners: &mut Listeners,
     all: &[Scenario],
-    mut configure: impl FnMut(Set) -> Result<()>,
+    mut configure: impl FnMut(Set, &mut Listeners) -> Result<()>,
 ) -> Result<Vec<Outcome>> {
     let mut out = Vec::with_capacity(all.len());
     for set in sets() {
-        configure(set)?;
+        configure(set, listeners)?;
         for sc in all.iter().filter(|s| s.set == set) {
             let o = run_one(env, topo, listeners, sc).with_context(|| {
                 format!(
@@ -733,15 +736,18 @@ fn parity_with_istio_iptables() -> Result<()> {
         v
     };
     let mut listeners = Listeners::default();
-    listeners.start_transparent(
-        &env,
-        probe(),
-        Some(&s),
-        PROXY_UID,
-        PROXY_UID,
-        &wild(&[15001, 15006, 15053]),
-        |p| p.to_string(),
-    )?;
+    let start_proxy = |listeners: &mut Listeners| {
+        listeners.start_transparent(
+            &env,
+            probe(),
+            Some(&s),
+            PROXY_UID,
+            PROXY_UID,
+            &wild(&[15001, 15006, 15053]),
+            |p| p.to_string(),
+        )
+    };
+    let mut proxy = start_proxy(&mut listeners)?;
     listeners.start(&env, probe(), Some(&s), 0, 0, &wild(&S_PORTS), |p| {
         format!("S:{p}")
     })?;
@@ -763,21 +769,34 @@ fn parity_with_istio_iptables() -> Result<()> {
     let all = scenarios(&topo)?;
     let setup = started.elapsed();
 
-    // sidestep first, on netns without any iptables rules.
+    // sidestep first, on netns without any iptables rules, once per inbound hook. With tc the
+    // proxy's listeners predate each enrolment (as for a running pod the agent repairs); with
+    // sk_lookup they start after it (as after a CNI ADD, before the pod's containers start).
     let t = Instant::now();
-    let loaded = Loaded::load(&env)?;
-    let sidestep = collect(&env, &topo, &mut listeners, &all, |set| {
-        let capture_ipv6 = set != Set::V4First;
-        let flags = sidestep_flags(&topo.istio(set), capture_ipv6);
-        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        loaded.enroll(&s, &flags)
-    })?;
-    loaded.unload()?;
+    let mut by_hook = Vec::new();
+    for hook in HOOKS {
+        let loaded = Loaded::load(&env)?;
+        let outcomes = collect(&env, &topo, &mut listeners, &all, |set, listeners| {
+            let capture_ipv6 = set != Set::V4First;
+            let mut flags = sidestep_flags(&topo.istio(set), capture_ipv6);
+            flags.extend(["--inbound-hook".to_owned(), hook.to_owned()]);
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            loaded.enroll(&s, &flags)?;
+            if hook == "sk_lookup" {
+                listeners.stop(proxy);
+                proxy = start_proxy(listeners)?;
+            }
+            Ok(())
+        })
+        .with_context(|| format!("inbound hook {hook}"))?;
+        loaded.unload()?;
+        by_hook.push(outcomes);
+    }
     let sidestep_time = t.elapsed();
 
     let t = Instant::now();
     let mut oracle_rules = Oracle::new(&s);
-    let oracle = collect(&env, &topo, &mut listeners, &all, |set| {
+    let oracle = collect(&env, &topo, &mut listeners, &all, |set, _| {
         oracle_rules.apply(&topo.istio(set))
     });
     let oracle = match oracle {
@@ -792,43 +811,54 @@ fn parity_with_istio_iptables() -> Result<()> {
     );
     let oracle_time = t.elapsed();
 
-    // The table.
+    // The table: one sidestep column per inbound hook, each judged against the oracle.
     let mut rows = Vec::new();
-    let mut counts = [0usize; 4];
+    let mut counts = [[0usize; 4]; HOOKS.len()];
     let mut failures = Vec::new();
     for (i, sc) in all.iter().enumerate() {
-        let (verdict, want) = judge(sc, &oracle[i], &sidestep[i], &topo.names);
-        let status = match verdict {
-            Verdict::Match => "match".to_owned(),
-            Verdict::MatchG => "match (G)".to_owned(),
-            Verdict::Intended(why) => format!("intended: {}", why.reason()),
-            Verdict::Mismatch => format!(
-                "MISMATCH (want {})",
-                want.map(|w| w.to_string()).unwrap_or_default()
-            ),
-        };
-        counts[match verdict {
-            Verdict::Match => 0,
-            Verdict::MatchG => 1,
-            Verdict::Intended(_) => 2,
-            Verdict::Mismatch => 3,
-        }] += 1;
-        if verdict == Verdict::Mismatch {
-            failures.push(i + 1);
-        }
-        rows.push(vec![
+        let mut row = vec![
             (i + 1).to_string(),
             Topology::set_name(sc.set).to_owned(),
             format!("{} -> {}", sc.from.name(), topo.names.addr(sc.dst)),
             oracle[i].to_string(),
-            sidestep[i].to_string(),
-            status,
-        ]);
+        ];
+        let mut statuses = Vec::new();
+        for (h, outcomes) in by_hook.iter().enumerate() {
+            let (verdict, want) = judge(sc, &oracle[i], &outcomes[i], &topo.names);
+            statuses.push(match verdict {
+                Verdict::Match => "match".to_owned(),
+                Verdict::MatchG => "match (G)".to_owned(),
+                Verdict::Intended(why) => format!("intended: {}", why.reason()),
+                Verdict::Mismatch => format!(
+                    "MISMATCH {} (want {})",
+                    HOOKS[h],
+                    want.map(|w| w.to_string()).unwrap_or_default()
+                ),
+            });
+            counts[h][match verdict {
+                Verdict::Match => 0,
+                Verdict::MatchG => 1,
+                Verdict::Intended(_) => 2,
+                Verdict::Mismatch => 3,
+            }] += 1;
+            if verdict == Verdict::Mismatch && !failures.contains(&(i + 1)) {
+                failures.push(i + 1);
+            }
+            // The second hook's column only says where it differs from the first.
+            row.push(if h > 0 && outcomes[i] == by_hook[0][i] {
+                "=".to_owned()
+            } else {
+                outcomes[i].to_string()
+            });
+        }
+        statuses.dedup();
+        row.push(statuses.join("; "));
+        rows.push(row);
     }
     let mut text = String::from(
-        "\nDifferential parity: Istio iptables (oracle) vs sidestep\n\
+        "\nDifferential parity: Istio iptables (oracle) vs sidestep, inbound hook tc and sk_lookup\n\
          sn = getsockname at the accepting listener, od4/od6 = SO_ORIGINAL_DST at SOL_IP/SOL_IPV6, \
-         pn = getpeername at the app\n",
+         pn = getpeername at the app; `=`: as with tc\n",
     );
     text.push_str(&render_table(
         &[
@@ -836,25 +866,29 @@ fn parity_with_istio_iptables() -> Result<()> {
             "annotations",
             "connection",
             "oracle (istio iptables)",
-            "sidestep",
+            "sidestep (tc)",
+            "sidestep (sk_lookup)",
             "result",
         ],
         &rows,
     ));
+    for (h, c) in counts.iter().enumerate() {
+        text.push_str(&format!(
+            "{}: {} scenarios: {} match, {} match (G), {} intended, {} mismatch\n",
+            HOOKS[h],
+            all.len(),
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+        ));
+    }
     text.push_str(&format!(
-        "{} scenarios: {} match, {} match (G), {} intended, {} mismatch\n\
-         (G) = equal once sidestep's SO_ORIGINAL_DST answer is applied: ENOENT for any socket in \
+        "(G) = equal once sidestep's SO_ORIGINAL_DST answer is applied: ENOENT for any socket in \
          the pod it did not redirect, where the kernel under Istio's rules answers the socket's \
          own address (conntrack, no NAT) or EOPNOTSUPP (SOL_IPV6 on an AF_INET socket)\n\
-         time: setup {:.1?}, sidestep {:.1?}, oracle {:.1?}\n",
-        all.len(),
-        counts[0],
-        counts[1],
-        counts[2],
-        counts[3],
-        setup,
-        sidestep_time,
-        oracle_time
+         time: setup {:.1?}, sidestep (both hooks) {:.1?}, oracle {:.1?}\n",
+        setup, sidestep_time, oracle_time
     ));
     print_uncaptured(&text);
 

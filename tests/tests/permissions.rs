@@ -172,8 +172,8 @@ fn non_root_can_neither_read_nor_change_pins_records_or_kubeconfig() -> Result<(
     }
     ensure!(
         pins.keys()
-            .any(|p| p.starts_with(pin_root.join("links/tc").join(cookie.to_string()))),
-        "the pod's tc link is not pinned"
+            .any(|p| p == &pin_root.join("links/sklookup").join(cookie.to_string())),
+        "the pod's sk_lookup link is not pinned"
     );
     let state_tree = tree(&state_dir)?;
     for (p, (uid, mode, dir)) in pins.iter().chain(&state_tree) {

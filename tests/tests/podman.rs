@@ -151,10 +151,16 @@ fn podman_pods_through_sidestep_cni() -> Result<()> {
             && rec["podNamespace"].is_null(),
         "{rec}"
     );
+    // The plugin's default inbound hook: the netns's sk_lookup link, no tc link.
+    let lookup = loaded.pin_root().join("links/sklookup");
+    ensure!(
+        std::fs::read_dir(&lookup)?.count() == 1 && lookup.join(cookie.to_string()).exists(),
+        "no sk_lookup link for the pod's netns"
+    );
     let tc = loaded.pin_root().join("links/tc");
     ensure!(
-        std::fs::read_dir(&tc)?.count() == 1 && tc.join(cookie.to_string()).join("eth0").exists(),
-        "no tc link on the pod's eth0"
+        std::fs::read_dir(&tc).map_or(0, |d| d.count()) == 0,
+        "a tc link was made"
     );
 
     // The app container, in the env's cgroup (below --cgroup-parent) and the pod's netns.
@@ -245,8 +251,8 @@ fn podman_pods_through_sidestep_cni() -> Result<()> {
         status["pods"].as_array().map(Vec::len) == Some(0),
         "{status}"
     );
-    let links = std::fs::read_dir(&tc).map(|d| d.count()).unwrap_or(0);
-    ensure!(links == 0, "{links} tc links left");
+    let links = std::fs::read_dir(&lookup).map_or(0, |d| d.count());
+    ensure!(links == 0, "{links} sk_lookup links left");
     let records = files_in(&state_dir);
     ensure!(records.is_empty(), "state records left: {records:?}");
     ensure!(

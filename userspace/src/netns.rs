@@ -1,5 +1,7 @@
 //! Network namespaces: opening one, refusing the host's, reading its cookie, and running code
-//! inside it on a dedicated thread (setns(2) on a thread remounts nothing, unlike `ip netns exec`).
+//! inside it. A visit moves the calling thread in and back (setns(2) of a network namespace is
+//! per thread and remounts nothing, unlike `ip netns exec`), as the CNI reference plugins' `ns.Do`
+//! does: a fresh thread per visit cost more than the rest of reading a cookie.
 
 use std::{
     fs::File,
@@ -23,7 +25,7 @@ const SO_NETNS_COOKIE: libc::c_int = 71;
 pub struct Netns {
     path: PathBuf,
     file: File,
-    /// Read once: each read costs a thread that enters the netns.
+    /// Read once: each read enters the netns.
     cookie: std::sync::OnceLock<u64>,
 }
 
@@ -76,30 +78,18 @@ impl Netns {
         Ok(own || same("/proc/1/ns/net").unwrap_or(false))
     }
 
-    /// Runs `f` on a fresh thread that has entered this netns. The caller's thread is untouched.
-    pub fn run<T: Send>(&self, f: impl FnOnce() -> io::Result<T> + Send) -> Result<T, NetnsError> {
-        std::thread::scope(|scope| {
-            scope
-                .spawn(|| {
-                    setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| {
-                        NetnsError::Enter {
-                            path: self.path.clone(),
-                            source: e.into(),
-                        }
-                    })?;
-                    f().map_err(|source| NetnsError::Enter {
-                        path: self.path.clone(),
-                        source,
-                    })
-                })
-                .join()
-                .unwrap_or_else(|_| {
-                    Err(NetnsError::Enter {
-                        path: self.path.clone(),
-                        source: io::Error::other("thread panicked"),
-                    })
-                })
-        })
+    /// Runs `f` with the calling thread inside this netns, and moves the thread back to the netns
+    /// it was in before returning, also when `f` panics. `f` must not block on other threads
+    /// doing network work for it: they stay where they are.
+    pub fn run<T>(&self, f: impl FnOnce() -> io::Result<T>) -> Result<T, NetnsError> {
+        let enter = |source: io::Error| NetnsError::Enter {
+            path: self.path.clone(),
+            source,
+        };
+        let home = File::open("/proc/thread-self/ns/net").map_err(enter)?;
+        setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| enter(e.into()))?;
+        let _back = GoHome(home);
+        f().map_err(enter)
     }
 
     /// The netns cookie (SO_NETNS_COOKIE), the key of every per-pod map entry.
@@ -115,6 +105,20 @@ impl Netns {
             other => other,
         })?;
         Ok(*self.cookie.get_or_init(|| c))
+    }
+}
+
+/// Moves the thread back to its netns when a visit ends.
+struct GoHome(File);
+
+impl Drop for GoHome {
+    fn drop(&mut self) {
+        if let Err(e) = setns(self.0.as_fd(), CloneFlags::CLONE_NEWNET) {
+            // Anything this thread did next (map writes for the wrong pod, routes, links) would
+            // land in the pod's netns: stopping is the only safe outcome.
+            eprintln!("sidestep: cannot return to the original network namespace: {e}");
+            std::process::abort();
+        }
     }
 }
 

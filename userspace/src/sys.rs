@@ -112,10 +112,14 @@ pub struct LinkInfo {
     pub attach_type: u32,
     /// For TCX links: the interface index.
     pub ifindex: u32,
+    /// For netns links (sk_lookup): the netns inode, 0 once the netns is gone (the kernel
+    /// detaches such a link when its netns dies; the link object lives on in its pin).
+    pub netns_ino: u32,
 }
 
 pub const BPF_LINK_TYPE_CGROUP: u32 = 3;
 pub const BPF_LINK_TYPE_TCX: u32 = 11;
+pub const BPF_LINK_TYPE_NETNS: u32 = 5;
 
 pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     // SAFETY: plain data, zero is valid.
@@ -126,19 +130,27 @@ pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     attr.info.info = std::ptr::from_mut(&mut info) as u64;
     bpf(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
     // SAFETY: the kernel filled the union arm matching `type_`; we read only that arm.
-    let (cgroup_id, attach_type, ifindex) = unsafe {
+    let (cgroup_id, attach_type, ifindex, netns_ino) = unsafe {
         match info.type_ {
             BPF_LINK_TYPE_CGROUP => (
                 info.__bindgen_anon_1.cgroup.cgroup_id,
                 info.__bindgen_anon_1.cgroup.attach_type,
+                0,
                 0,
             ),
             BPF_LINK_TYPE_TCX => (
                 0,
                 info.__bindgen_anon_1.tcx.attach_type,
                 info.__bindgen_anon_1.tcx.ifindex,
+                0,
             ),
-            _ => (0, 0, 0),
+            BPF_LINK_TYPE_NETNS => (
+                0,
+                info.__bindgen_anon_1.netns.attach_type,
+                0,
+                info.__bindgen_anon_1.netns.netns_ino,
+            ),
+            _ => (0, 0, 0, 0),
         }
     };
     Ok(LinkInfo {
@@ -148,6 +160,7 @@ pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
         cgroup_id,
         attach_type,
         ifindex,
+        netns_ino,
     })
 }
 

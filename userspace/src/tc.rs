@@ -156,7 +156,7 @@ fn detach_links_under_file(pin: &std::path::Path) {
     let _ = fs::remove_file(pin);
 }
 
-fn sk_lookup_pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
+pub fn sk_lookup_pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
     layout
         .links_dir()
         .join("sklookup")

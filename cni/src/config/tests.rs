@@ -23,7 +23,7 @@ fn defaults_for_every_version() {
         assert_eq!(c.state_dir, Path::new(DEFAULT_STATE_DIR));
         assert_eq!(c.mesh, Mesh::Istio);
         assert_eq!(c.fail_strategy, FailStrategy::Close);
-        assert_eq!(c.inbound_hook, InboundHook::Tc);
+        assert_eq!(c.inbound_hook, InboundHook::SkLookup);
         assert_eq!(c.kubernetes, KubernetesConfig::default());
         assert!(c.policy.is_none() && c.prev_result.is_none() && c.pod_annotations.is_none());
     }
@@ -36,7 +36,7 @@ fn sidestep_fields() {
     v["state_dir"] = json!("/run/x");
     v["mesh"] = json!("linkerd");
     v["fail_strategy"] = json!("FAIL_OPEN");
-    v["inbound_hook"] = json!("sk_lookup");
+    v["inbound_hook"] = json!("tc");
     v["log_level"] = json!("debug");
     v["log_file"] = json!("/var/log/sidestep-cni.log");
     v["kubernetes"] = json!({"kubeconfig": "/etc/cni/net.d/sidestep-kubeconfig",
@@ -48,7 +48,7 @@ fn sidestep_fields() {
     assert_eq!(c.pin_root, Path::new("/sys/fs/bpf/x"));
     assert_eq!(c.mesh, Mesh::Linkerd);
     assert_eq!(c.fail_strategy, FailStrategy::Open);
-    assert_eq!(c.inbound_hook, InboundHook::SkLookup);
+    assert_eq!(c.inbound_hook, InboundHook::Tc);
     assert_eq!(c.log_level.as_deref(), Some("debug"));
     assert_eq!(c.kubernetes.pod_read_retries, 3);
     assert_eq!(c.kubernetes.pod_read_interval, Duration::from_millis(10));

@@ -361,8 +361,24 @@ fn del_is_idempotent_and_survives_missing_pieces() {
 
 #[test]
 fn check_verifies_map_links_and_programs() {
+    // The default hook: CHECK needs the netns's sk_lookup link.
     let h = Harness::new();
     let conf = h.conf(json!({}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
+    h.world.links.borrow_mut().remove(&101);
+    let o = h.run("CHECK", "c1", "/run/netns/a", &conf);
+    assert_eq!(err_code(&o), code::CHECK_FAILED as u64);
+    assert!(
+        o.stdout.unwrap()["msg"]
+            .as_str()
+            .unwrap()
+            .contains("sk_lookup")
+    );
+
+    // The tc hook: also each recorded interface's tc link.
+    let h = Harness::new();
+    let conf = h.conf(json!({"inbound_hook": "tc"}));
     assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
     assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
 

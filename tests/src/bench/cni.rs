@@ -41,13 +41,14 @@ pub fn injected_annotations() -> Value {
 
 #[derive(Clone, Debug, Default)]
 pub struct CniBench {
-    /// Milliseconds per sidestep-cni ADD (enrolled: maps, tc, sk_lookup, record).
+    /// Milliseconds per sidestep-cni ADD with the default `inbound_hook: sk_lookup` (maps, the
+    /// netns's sk_lookup link, record).
     pub add_ms: Vec<f64>,
     /// Milliseconds per sidestep-cni DEL of that attachment.
     pub del_ms: Vec<f64>,
-    /// The same two with `inbound_hook: sk_lookup` (no tc link).
-    pub add_skl_ms: Vec<f64>,
-    pub del_skl_ms: Vec<f64>,
+    /// The same two with `inbound_hook: tc` (plus a TCX link on eth0).
+    pub add_tc_ms: Vec<f64>,
+    pub del_tc_ms: Vec<f64>,
     /// Milliseconds per Istio install with iptables-nft-restore + ip6tables-nft-restore.
     pub nft_ms: Vec<f64>,
     /// The same with the legacy back end.
@@ -114,6 +115,22 @@ impl Drop for FreshNetns {
     }
 }
 
+/// A pod that stays enrolled (default hook) for the whole run, as on a node that runs meshed
+/// pods: the first sk_lookup link on a machine turns a kernel static key on (text patching on
+/// every CPU) and the last one off, which a node pays once, not per pod. DEL on drop.
+struct ResidentPod<'a> {
+    call: PluginCall<'a>,
+    _netns: &'a FreshNetns,
+}
+
+impl Drop for ResidentPod<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.call.run("DEL") {
+            eprintln!("bench: DEL of the resident pod: {e:#}");
+        }
+    }
+}
+
 /// setns(2) into a network namespace; for `pre_exec`.
 fn setns_net(fd: RawFd) -> std::io::Result<()> {
     // SAFETY: plain system call on an integer fd and a flag; no memory is passed.
@@ -167,7 +184,7 @@ pub struct PluginCall<'a> {
     pub pod: &'a str,
     /// The address (CIDR) prevResult reports for eth0.
     pub cidr: &'a str,
-    /// The plugin's `inbound_hook` (`None`: its default, tc).
+    /// The plugin's `inbound_hook` (`None`: its default, sk_lookup).
     pub inbound_hook: Option<&'a str>,
 }
 
@@ -290,8 +307,9 @@ fn restore_pair(netns: &Path, variant: &str, v4: &[u8], v6: &[u8]) -> Result<Dur
     Ok(total)
 }
 
-/// `runs` timed runs of each of ADD+DEL (tc hook), ADD+DEL (sk_lookup hook), nft install and
-/// legacy install (after two untimed warm-up rounds), rotating their order every round.
+/// `runs` timed runs of each of ADD+DEL (default sk_lookup hook), ADD+DEL (tc hook), nft install
+/// and legacy install (after two untimed warm-up rounds), rotating their order every round. One
+/// other pod stays enrolled throughout.
 pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     let istio = IstioCapture {
         ipv6: true,
@@ -308,6 +326,25 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
         ..CniBench::default()
     };
     let cidr = "100.64.0.2/16";
+    let resident_cidr = "100.64.0.3/16";
+    let resident_ns = FreshNetns::new(env, "cni-resident", 0, resident_cidr)?;
+    let resident_cid = container_id("resident", 0);
+    let resident = ResidentPod {
+        call: PluginCall {
+            pin_root,
+            state_dir: &state_dir,
+            netns: &resident_ns.path,
+            container_id: &resident_cid,
+            pod: "resident",
+            cidr: resident_cidr,
+            inbound_hook: None,
+        },
+        _netns: &resident_ns,
+    };
+    resident
+        .call
+        .run("ADD")
+        .context("ADD of the resident pod")?;
     let warmup = 2;
     let mut n = 0;
     for round in 0..runs + warmup {
@@ -326,13 +363,13 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                         container_id: &cid,
                         pod: &pod,
                         cidr,
-                        inbound_hook: (hook == 3).then_some("sk_lookup"),
+                        inbound_hook: (hook == 3).then_some("tc"),
                     };
                     let add = call.run("ADD").context("sidestep-cni ADD")?;
                     let del = call.run("DEL").context("sidestep-cni DEL")?;
                     if timed_round {
                         let (adds, dels) = if hook == 3 {
-                            (&mut res.add_skl_ms, &mut res.del_skl_ms)
+                            (&mut res.add_tc_ms, &mut res.del_tc_ms)
                         } else {
                             (&mut res.add_ms, &mut res.del_ms)
                         };
@@ -375,7 +412,7 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                 container_id: &cid,
                 pod: "strace",
                 cidr,
-                inbound_hook: None,
+                inbound_hook: Some("tc"),
             };
             // TCX_INGRESS is attach type 46; strace prints it as a number or by name.
             let attach = call.bpf_call_ms("ADD", "BPF_LINK_CREATE", &out)?;
@@ -393,6 +430,8 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
             res.tcx_detach_ms.push(detach.iter().sum());
         }
     }
+    drop(resident);
+    drop(resident_ns);
     eprintln!(
         "bench: cni: {} ADD/DEL, {} nft and {} legacy installs",
         res.add_ms.len(),

@@ -197,9 +197,9 @@ impl Report {
         if let Some(c) = &self.cni
             && let (_, _, Some(r)) = super::sections::cni_add_target(c, &c.add_ms)
         {
-            let (_, _, rs) = super::sections::cni_add_target(c, &c.add_skl_ms);
+            let (_, _, rs) = super::sections::cni_add_target(c, &c.add_tc_ms);
             parts.push(format!(
-                "a sidestep-cni ADD takes {} of the time of installing Istio's rules with iptables-restore and ip6tables-restore (p50, whole processes; {} with `inbound_hook: sk_lookup`)",
+                "a sidestep-cni ADD takes {} of the time of installing Istio's rules with iptables-restore and ip6tables-restore (p50, whole processes; {} with `inbound_hook: tc`)",
                 fmt_ratio(Some(r)),
                 fmt_ratio(rs)
             ));

@@ -448,12 +448,13 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
     println!("\n{}", String::from_utf8_lossy(&st.stdout));
     drop(sidecars);
 
-    // CNI DEL through the chain, in reverse: enrolment, tc links and records go.
+    // CNI DEL through the chain, in reverse: enrolment, per-pod links and records go.
     for pod in &pods {
         node.remove_pod(pod)?;
     }
     let now = enrolled(&pin_root)?;
     let tc = pin_root.join("links/tc");
+    let lookup = pin_root.join("links/sklookup");
     let records = std::fs::read_dir(&d.state)
         .map(|r| {
             r.flatten()
@@ -467,6 +468,7 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
         .filter(|(pod, cookie)| {
             !now.contains(cookie)
                 && !tc.join(cookie.to_string()).exists()
+                && !lookup.join(cookie.to_string()).exists()
                 && !d
                     .state
                     .join(format!("{}@eth0.json", pod.container_id))
@@ -474,7 +476,7 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
         })
         .count();
     lines.push(Line::new(
-        "CNI DEL: enrolment, tc links, records gone",
+        "CNI DEL: enrolment, per-pod links, records gone",
         if records == 0 { clean } else { 0 },
         pods.len(),
         format!("{} pods enrolled, {records} records left", now.len()),

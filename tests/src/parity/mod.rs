@@ -144,6 +144,7 @@ impl Names {
 /// One `probe proxy ... - --no-forward --v6only` process: every address it listens on reports
 /// each accepted connection as a JSON line on stdout.
 struct Group {
+    id: usize,
     guard: ChildGuard,
     /// Label of a listener from its port: `15001`, `S:8080`, ...
     label: fn(u16) -> String,
@@ -155,7 +156,12 @@ struct Group {
 #[derive(Default)]
 pub struct Listeners {
     groups: Vec<Group>,
+    started: usize,
 }
+
+/// A listener process of [`Listeners`], to stop it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupId(usize);
 
 /// A connection a listener reported.
 #[derive(Debug)]
@@ -177,7 +183,7 @@ impl Listeners {
         gid: u32,
         addrs: &[SocketAddr],
         label: fn(u16) -> String,
-    ) -> Result<()> {
+    ) -> Result<GroupId> {
         self.start_as(env, probe, pod, (uid, gid, false), addrs, label)
     }
 
@@ -194,8 +200,13 @@ impl Listeners {
         gid: u32,
         addrs: &[SocketAddr],
         label: fn(u16) -> String,
-    ) -> Result<()> {
+    ) -> Result<GroupId> {
         self.start_as(env, probe, pod, (uid, gid, true), addrs, label)
+    }
+
+    /// Stops one listener process (its sockets close with it).
+    pub fn stop(&mut self, id: GroupId) {
+        self.groups.retain(|g| g.id != id.0);
     }
 
     fn start_as(
@@ -206,7 +217,7 @@ impl Listeners {
         (uid, gid, transparent): (u32, u32, bool),
         addrs: &[SocketAddr],
         label: fn(u16) -> String,
-    ) -> Result<()> {
+    ) -> Result<GroupId> {
         let list = addrs
             .iter()
             .map(ToString::to_string)
@@ -243,12 +254,14 @@ impl Listeners {
             None => env.spawn(spec)?,
         };
         wait_listening(&mut guard, addrs, Duration::from_secs(10))?;
+        self.started += 1;
         self.groups.push(Group {
+            id: self.started,
             guard,
             label,
             seen: 0,
         });
-        Ok(())
+        Ok(GroupId(self.started))
     }
 
     /// Connections reported since the last call; waits up to `wait` for the first one.

@@ -1,4 +1,4 @@
-//! What the churn tests count: entries of the per-pod maps, pins under links/tc, state
+//! What the churn tests count: entries of the per-pod maps, per-pod link pins, state
 //! records, sidestep's BPF objects and links, and this process's file descriptors.
 
 use std::{
@@ -83,8 +83,9 @@ pub fn objects() -> Result<Objects> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct State {
     pub maps: BTreeMap<&'static str, usize>,
-    /// Entries under <pin_root>/links/tc (cookie directories and link pins).
-    pub tc_pins: usize,
+    /// Per-pod link pins: entries under <pin_root>/links/tc (cookie directories and link pins)
+    /// and links/sklookup (one per pod netns).
+    pub pod_link_pins: usize,
     /// Entries under the plugin's state_dir, but for the invocation log (`timings`), which
     /// every call appends to.
     pub records: usize,
@@ -127,7 +128,8 @@ impl Sandbox {
             .count();
         Ok(State {
             maps,
-            tc_pins: tree_entries(&self.pin_root.join("links/tc")),
+            pod_link_pins: tree_entries(&self.pin_root.join("links/tc"))
+                + tree_entries(&self.pin_root.join("links/sklookup")),
             records: tree_entries(&self.state_dir)
                 - usize::from(self.state_dir.join("timings").is_file()),
             links,

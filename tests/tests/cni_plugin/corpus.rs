@@ -1,5 +1,5 @@
 //! The bad-input corpus: each case must give a spec error with the expected code, a non-zero
-//! exit, and leave the pod map, the tc links and the state directory exactly as they were.
+//! exit, and leave the pod map, the per-pod links and the state directory exactly as they were.
 
 use anyhow::{Result, bail, ensure};
 use serde_json::{Value, json};
@@ -71,7 +71,7 @@ pub fn corpus() -> Result<()> {
     let conf = sb.conf("1.0.0");
     // An enrolled pod that no bad input may disturb.
     expect_ok(&call(&sb, "ADD", "good", &good, &conf)?, "ADD good")?;
-    let (pods0, links0, files0) = (sb.pods()?, sb.tc_links(), sb.state_files());
+    let (pods0, links0, files0) = (sb.pods()?, sb.pod_links(), sb.state_files());
     ensure!(pods0.len() == 1);
 
     let f = fresh.to_string_lossy().into_owned();
@@ -433,7 +433,7 @@ pub fn corpus() -> Result<()> {
     for (name, env, stdin, code) in &cases {
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let result = cni(&sb, &env, stdin).and_then(|o| expect_err(&o, *code, name));
-        let unchanged = (sb.pods()?, sb.tc_links(), sb.state_files())
+        let unchanged = (sb.pods()?, sb.pod_links(), sb.state_files())
             == (pods0.clone(), links0.clone(), files0.clone())
             && sb.cwd_files().is_empty();
         match (result, unchanged) {

@@ -212,18 +212,25 @@ impl Sandbox {
         Ok(c)
     }
 
-    pub fn tc_links(&self) -> Vec<String> {
+    /// Per-pod link pins: `tc/<cookie>/<ifname>` (and re-route links) and `sklookup/<cookie>`.
+    pub fn pod_links(&self) -> Vec<String> {
         let mut out = Vec::new();
         if let Ok(rd) = fs::read_dir(self.pin_root.join("links/tc")) {
             for d in rd.flatten() {
                 for f in fs::read_dir(d.path()).into_iter().flatten().flatten() {
                     out.push(format!(
-                        "{}/{}",
+                        "tc/{}/{}",
                         d.file_name().to_string_lossy(),
                         f.file_name().to_string_lossy()
                     ));
                 }
             }
+        }
+        if let Ok(rd) = fs::read_dir(self.pin_root.join("links/sklookup")) {
+            out.extend(
+                rd.flatten()
+                    .map(|f| format!("sklookup/{}", f.file_name().to_string_lossy())),
+            );
         }
         out.sort();
         out

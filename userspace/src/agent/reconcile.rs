@@ -89,12 +89,21 @@ pub fn unenroll(pin_root: &Path, cookie: u64) -> Result<bool, ReconcileError> {
     Ok(false)
 }
 
-/// Whether the kernel says a pod's netns is gone though no record says so: the pod had inbound
-/// links and every one lost its interface (a TCX link keeps no ifindex once its device is
-/// destroyed with the netns). A pod without inbound links is never judged this way.
+/// Whether the kernel says a pod's netns is gone though no record says so: its sk_lookup link
+/// lost its netns, or (a pod without one) it had tc links and every one lost its interface (a
+/// TCX link keeps no ifindex once its device is destroyed with the netns). A pod without
+/// inbound links is never judged this way.
 fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
     use std::os::fd::AsFd as _;
-    let dir = tc::pod_links_dir(&PinLayout::new(pin_root), cookie);
+    let layout = PinLayout::new(pin_root);
+    let info = |pin: &Path| crate::sys::obj_get(pin).and_then(|l| crate::sys::link_info(l.as_fd()));
+    // The netns's sk_lookup link (every pod with inbound capture has one): the kernel detaches
+    // it when the netns dies, and then reports no netns inode.
+    let lookup = tc::sk_lookup_pin(&layout, cookie);
+    if lookup.exists() {
+        return matches!(info(&lookup), Ok(i) if i.link_type == crate::sys::BPF_LINK_TYPE_NETNS && i.netns_ino == 0);
+    }
+    let dir = tc::pod_links_dir(&layout, cookie);
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return false;
     };
@@ -104,8 +113,7 @@ fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
         if tc::is_reroute_pin(&e.file_name().to_string_lossy()) {
             continue;
         }
-        let info = crate::sys::obj_get(&e.path()).and_then(|l| crate::sys::link_info(l.as_fd()));
-        match info {
+        match info(&e.path()) {
             Ok(i) if i.link_type == crate::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => any = true,
             _ => return false,
         }
@@ -375,7 +383,7 @@ pub fn reconcile(
             Ok(_) => {
                 tracing::info!(
                     netns_cookie = cookie,
-                    "garbage-collected an enrolment no record names: its tc links lost their interface, so its netns is gone"
+                    "garbage-collected an enrolment no record names: its links lost their netns or interface, so its netns is gone"
                 );
                 enrolled.remove(&cookie);
                 report.collected.push(Record {
@@ -446,6 +454,9 @@ pub fn repair_config(
     conf["cniVersion"] = json!(version);
     conf["name"] = json!(name);
     conf["policy"] = serde_json::to_value(policy).unwrap_or(Value::Null);
+    // The pod runs: its proxy listened before this enrolment, which the sk_lookup hook (the
+    // plugin's default, for pods enrolled before they start) would not see. tc finds it.
+    conf["inbound_hook"] = json!("tc");
     conf["prevResult"] = json!({
         "cniVersion": version,
         "interfaces": [{ "name": addrs.ifname, "sandbox": netns }],
@@ -574,6 +585,7 @@ mod tests {
         assert_eq!(c["prevResult"]["ips"][1]["address"], "fd00::3/64");
         assert_eq!(c["prevResult"]["interfaces"][0]["sandbox"], "/run/netns/x");
         assert!(c["policy"].is_object());
+        assert_eq!(c["inbound_hook"], "tc");
         let net1 = ("k8s".to_string(), "1.0.0".to_string());
         let c = repair_config(&entry, &net1, &policy, Path::new("/run/netns/x"), &addrs);
         assert!(c["prevResult"]["ips"][0].get("version").is_none());

@@ -77,10 +77,10 @@ impl Report {
         match &self.cni {
             Some(c) => {
                 let (add, best, r) = crate::bench::sections::cni_add_target(c, &c.add_ms);
-                let (skl, _, rs) = crate::bench::sections::cni_add_target(c, &c.add_skl_ms);
+                let (skl, _, rs) = crate::bench::sections::cni_add_target(c, &c.add_tc_ms);
                 let _ = writeln!(
                     o,
-                    "| CNI ADD p50 ≤ 0.5× the iptables install | sidestep-cni ADD (a whole process) p50 against the faster Istio install (iptables-restore + ip6tables-restore, {}): `inbound_hook: tc` (default) {} = {}, **{}**; `inbound_hook: sk_lookup` {} = {}, **{}**. See the CNI section for where ADD's time goes | {} |",
+                    "| CNI ADD p50 ≤ 0.5× the iptables install | sidestep-cni ADD (a whole process) p50 against the faster Istio install (iptables-restore + ip6tables-restore, {}): `inbound_hook: sk_lookup` (default) {} = {}, **{}**; `inbound_hook: tc` {} = {}, **{}**. See the CNI section for where ADD's time goes | {} |",
                     fmt_ms(best),
                     fmt_ms(add),
                     fmt_ratio(r),
