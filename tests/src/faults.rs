@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 
-use crate::{cni, env::TestEnv, pod::Pod, sidestep::bin_dir};
+use crate::{cni, env::TestEnv, pod::Pod, sidestep::cni_bin};
 
 /// Maps with one or more entries per enrolled pod.
 pub const POD_MAPS: [&str; 6] = [
@@ -123,7 +123,7 @@ impl Plugin {
     pub fn run(&self, command: &str, pod: &Pod, failpoint: Option<&str>) -> Result<Output> {
         let rc = json!({"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}});
         let conf = cni::plugin_conf(&self.network, &self.entry, Some(&pod.cni_result), Some(&rc));
-        let mut cmd = Command::new(bin_dir().join("sidestep-cni"));
+        let mut cmd = Command::new(cni_bin());
         cmd.env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("CNI_COMMAND", command)

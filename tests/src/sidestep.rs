@@ -6,7 +6,7 @@ use std::{
     process::{Command, Output},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 
 use crate::{env::TestEnv, pod::Pod};
@@ -17,6 +17,58 @@ pub fn bin_dir() -> PathBuf {
     std::env::var_os("SIDESTEP_BIN_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug"))
+}
+
+/// The CNI plugin: `SIDESTEP_CNI_BIN` (xtask points it at the statically linked build that
+/// ships, see `xtask::build::static_plugin`), else the workspace build beside `sidestep`.
+pub fn cni_bin() -> PathBuf {
+    std::env::var_os("SIDESTEP_CNI_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| bin_dir().join("sidestep-cni"))
+}
+
+/// The program interpreter (dynamic loader) an ELF executable names, `None` for a static one.
+pub fn elf_interpreter(path: &Path) -> Result<Option<String>> {
+    const PT_INTERP: u32 = 3;
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let u16_at = |o: usize| {
+        b.get(o..o + 2)
+            .map(|s| u16::from_le_bytes([s[0], s[1]]) as usize)
+    };
+    let u64_at = |o: usize| {
+        b.get(o..o + 8)
+            .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")) as usize)
+    };
+    ensure!(
+        b.starts_with(b"\x7fELF\x02\x01"),
+        "{} is not a 64-bit little-endian ELF file",
+        path.display()
+    );
+    let (phoff, phentsize, phnum) = (
+        u64_at(0x20).context("e_phoff")?,
+        u16_at(0x36).context("e_phentsize")?,
+        u16_at(0x38).context("e_phnum")?,
+    );
+    for i in 0..phnum {
+        let ph = phoff + i * phentsize;
+        let p_type = b
+            .get(ph..ph + 4)
+            .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
+            .context("program header")?;
+        if p_type == PT_INTERP {
+            let (off, size) = (
+                u64_at(ph + 8).context("p_offset")?,
+                u64_at(ph + 32).context("p_filesz")?,
+            );
+            let name = b.get(off..off + size).context("interpreter name")?;
+            return Ok(Some(
+                String::from_utf8_lossy(name)
+                    .trim_end_matches('\0')
+                    .to_owned(),
+            ));
+        }
+    }
+    Ok(None)
 }
 
 pub fn sidestep_bin() -> PathBuf {
@@ -126,7 +178,7 @@ impl Drop for Loaded {
 pub fn cni_plugin_dir(env: &TestEnv) -> Result<PathBuf> {
     let dir = env.tmp_dir().join("cni-bin");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let bin = bin_dir().join("sidestep-cni");
+    let bin = cni_bin();
     if !bin.is_file() {
         bail!(
             "{} is missing: run `cargo build --workspace`",
@@ -153,4 +205,14 @@ pub fn cni_chain(pin_root: &Path, state_dir: &Path) -> Vec<Value> {
             "capabilities": {"io.kubernetes.cri.pod-annotations": true},
         }),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn elf_interpreter_names_the_dynamic_loader() {
+        let sh = super::elf_interpreter(std::path::Path::new("/bin/sh")).unwrap();
+        assert!(sh.is_some_and(|i| i.contains("ld-linux")), "/bin/sh");
+        assert!(super::elf_interpreter(std::path::Path::new("/etc/hostname")).is_err());
+    }
 }

@@ -14,7 +14,7 @@ use std::{
 use agent_support::{Agent, Dirs, base_args, free_port, wait_until};
 use anyhow::{Result, ensure};
 use serde_json::json;
-use sidestep_tests::{TestEnv, sidestep::bin_dir, skip_unless_root};
+use sidestep_tests::{TestEnv, sidestep::cni_bin, skip_unless_root};
 
 fn mode(p: &std::path::Path) -> u32 {
     fs::metadata(p)
@@ -73,7 +73,7 @@ fn agent_keeps_the_cni_configuration() -> Result<()> {
 
     // The plugin is installed under its type, as a copy of sidestep-cni.
     let installed = d.bin.join("sidestep");
-    ensure!(fs::read(&installed)? == fs::read(bin_dir().join("sidestep-cni"))?);
+    ensure!(fs::read(&installed)? == fs::read(cni_bin())?);
     ensure!(mode(&installed) == 0o755);
 
     // The kubeconfig: 0600, from the service account, rewritten when the token rotates (kubelet

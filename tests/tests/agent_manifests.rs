@@ -210,6 +210,12 @@ fn deploy_manifests_are_valid() -> Result<()> {
     ensure!(last.contains("distroless"), "final stage: {last}");
     ensure!(cf.contains("/usr/local/bin/sidestep\n") || cf.contains("/usr/local/bin/sidestep\r"));
     ensure!(cf.contains("/opt/cni/bin/sidestep-cni"));
+    // The plugin runs on the host, whose C library may be older than the image's.
+    ensure!(
+        cf.lines()
+            .any(|l| l.contains("crt-static") && l.contains("relocation-model=static")),
+        "the Containerfile does not link the plugin statically"
+    );
     ensure!(
         c["lifecycle"]["preStop"]["exec"]["command"][0] == "/usr/local/bin/sidestep",
         "preStop"

@@ -27,6 +27,16 @@ fn lifecycle_add_check_del_gc_status_version() {
 }
 
 fn lifecycle() -> Result<()> {
+    // The plugin runs on the node, whatever its C library: xtask builds it static, as it ships.
+    if std::env::var_os("SIDESTEP_CNI_BIN").is_some() {
+        let bin = sidestep_tests::sidestep::cni_bin();
+        let interp = sidestep_tests::sidestep::elf_interpreter(&bin)?;
+        ensure!(
+            interp.is_none(),
+            "{} is dynamically linked (interpreter {interp:?})",
+            bin.display()
+        );
+    }
     let mut sb = Sandbox::new("life")?;
     let a = sb.add_netns("a")?;
     let conf = sb.conf("1.1.0");

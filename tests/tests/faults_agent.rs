@@ -24,6 +24,7 @@ use anyhow::{Context, Result, bail, ensure};
 use sidestep_tests::{
     Node, NodeOptions, Pod, Spawn, TestEnv,
     faults::{Plugin, bpftool},
+    parity::Listeners,
     sidestep::{bin_dir, sidestep},
     skip_unless_root,
 };
@@ -498,10 +499,46 @@ fn agent_repairs_lost_pins_and_reports_damaged_state() -> Result<()> {
         "the lost pod's enrolment was not collected"
     );
 
+    // A proxy listening on 15006 since before the reloads: the sk_lookup hook the ADD chose
+    // knows it from its listen(2) into maps the reload replaces; the re-enrolment's tc finds it.
+    let mut proxy = Listeners::default();
+    let inbound_addr = std::net::SocketAddr::from(([0, 0, 0, 0], 15006));
+    proxy.start(
+        &env,
+        env!("CARGO_BIN_EXE_probe"),
+        Some(&pod),
+        1337,
+        1337,
+        &[inbound_addr],
+        |p| p.to_string(),
+    )?;
+    expect_inbound(&mut proxy, &pod, "before the reloads")?;
     expect_repair(&env, &pin_root, &mut a, &pod, cookie, 1, || {
         std::fs::remove_dir_all(&pin_root).context("deleting the pins")
     })?;
     expect_repair(&env, &pin_root, &mut a, &pod, cookie, 2, || bpffs.unmount())?;
+    expect_inbound(&mut proxy, &pod, "after the reloads")?;
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(plugin.record_path(&pod))?)?;
+    ensure!(
+        record["policy"]["inboundHook"] == "tc"
+            && pin_root.join(format!("links/tc/{cookie}/eth0")).exists(),
+        "re-enrolled without the tc hook: {record}"
+    );
     drop((bare, node));
+    Ok(())
+}
+
+/// A connection from the node to the pod's app port reaches the proxy's 15006 listener.
+fn expect_inbound(proxy: &mut Listeners, pod: &Pod, what: &str) -> Result<()> {
+    let to = std::net::SocketAddr::from((pod.ipv4, 8080));
+    let conn = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3))
+        .with_context(|| format!("{what}: connect to {to}"))?;
+    let got = proxy.take(Duration::from_secs(3))?;
+    drop(conn);
+    ensure!(
+        got.len() == 1 && got[0].listener == "15006",
+        "{what}: inbound to {to} was not captured: {got:?}"
+    );
     Ok(())
 }

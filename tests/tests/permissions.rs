@@ -256,8 +256,32 @@ fn non_root_can_neither_read_nor_change_pins_records_or_kubeconfig() -> Result<(
         records_only(tree(&state_dir)?),
         fs::read(record)?,
     );
-    if after != (pins, records_only(state_tree), record_text) {
-        failures.push("the pins or the state directory changed".into());
+    let before = (pins, records_only(state_tree), record_text);
+    if after != before {
+        let changed: Vec<String> = before
+            .0
+            .iter()
+            .filter(|(p, v)| after.0.get(*p) != Some(*v))
+            .map(|(p, _)| format!("pin {} changed or went", p.display()))
+            .chain(
+                after
+                    .0
+                    .keys()
+                    .filter(|p| !before.0.contains_key(*p))
+                    .map(|p| format!("pin {} appeared", p.display())),
+            )
+            .chain((after.1 != before.1).then(|| "the state directory's files".to_owned()))
+            .chain((after.2 != before.2).then(|| {
+                format!(
+                    "the record: {}",
+                    String::from_utf8_lossy(&after.2).replace('\n', " ")
+                )
+            }))
+            .collect();
+        failures.push(format!(
+            "the pins or the state directory changed: {}",
+            changed.join("; ")
+        ));
     }
     if enrolled_cookies(&env)? != [cookie] {
         failures.push("the pod is no longer enrolled".into());

@@ -65,6 +65,44 @@ pub fn workspace_cargo(object: &Path) -> Cmd {
         .env("SIDESTEP_BPF_OBJECT", object)
 }
 
+/// The CNI plugin as it ships: a static, fixed-address executable. The agent copies it onto the
+/// node, whose C library is not the build machine's: a dynamically linked plugin built on Debian
+/// 12 needs glibc 2.34, so on an older node every pod's ADD (meshed or not, since the plugin is
+/// chained for all) would fail to exec. Static, it also skips the dynamic loader at each start,
+/// a large share of an ADD. `--target` keeps the flags off build scripts and proc macros, which
+/// cannot link statically. Returns the binary's path. On a host that is not `*-linux-gnu` it is
+/// the workspace build.
+pub fn static_plugin(object: &Path, release: bool) -> Result<PathBuf> {
+    let profile = if release { "release" } else { "debug" };
+    let host = Cmd::new("rustc")
+        .arg("-vV")
+        .read()
+        .context("asking rustc for the host target")?
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
+        .context("rustc -vV printed no host")?;
+    if !host.ends_with("-linux-gnu") {
+        return Ok(paths::bin_dir(release).join("sidestep-cni"));
+    }
+    let mut flags = std::env::var("RUSTFLAGS").unwrap_or_default();
+    flags.push_str(" -C target-feature=+crt-static -C relocation-model=static");
+    let mut cargo = workspace_cargo(object)
+        .env("RUSTFLAGS", flags.trim())
+        .args(["build", "-p", "sidestep-cni", "--bin", "sidestep-cni"])
+        .args(["--target", &host]);
+    if release {
+        cargo = cargo.arg("--release");
+    }
+    cargo
+        .hint("fix the compile or link error above, then rerun")
+        .run()
+        .context("building the static CNI plugin")?;
+    Ok(paths::target_dir()
+        .join(&host)
+        .join(profile)
+        .join("sidestep-cni"))
+}
+
 /// build-ebpf, then the whole workspace. Returns the BPF object path for
 /// the cargo invocations that follow.
 pub fn workspace(release: bool) -> Result<PathBuf> {

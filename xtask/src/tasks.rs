@@ -18,6 +18,7 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
     }
     setup::full(lint)?;
     let object = build::workspace(false)?;
+    let plugin = build::static_plugin(&object, false)?;
     if lint {
         build::workspace_cargo(&object)
             .args([
@@ -34,6 +35,7 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
     }
     let mut cargo = build::workspace_cargo(&object)
         .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
+        .env("SIDESTEP_CNI_BIN", &plugin)
         .arg("test");
     // cargo lets --workspace override -p, so `test -- -p foo` would
     // silently run everything.
@@ -47,9 +49,11 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
 pub fn demo() -> Result<ExitCode> {
     setup::full(false)?;
     let object = build::workspace(false)?;
+    let plugin = build::static_plugin(&object, false)?;
     // The demo drives a local node with the test topology, so it lives in the tests crate.
     let status = build::workspace_cargo(&object)
         .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
+        .env("SIDESTEP_CNI_BIN", &plugin)
         .args([
             "run",
             "--quiet",
@@ -65,7 +69,10 @@ pub fn demo() -> Result<ExitCode> {
 pub fn bench(quick: bool, mode: Option<&str>) -> Result<ExitCode> {
     setup::full(false)?;
     let object = build::workspace(true)?;
-    let mut cargo = build::workspace_cargo(&object).env("SIDESTEP_BIN_DIR", paths::bin_dir(true));
+    let plugin = build::static_plugin(&object, true)?;
+    let mut cargo = build::workspace_cargo(&object)
+        .env("SIDESTEP_BIN_DIR", paths::bin_dir(true))
+        .env("SIDESTEP_CNI_BIN", &plugin);
     if quick {
         cargo = cargo.env("SIDESTEP_BENCH_QUICK", "1");
     }

@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use crate::env::TestEnv;
 use crate::istio_iptables::IstioCapture;
 use crate::netns;
-use crate::sidestep::bin_dir;
+use crate::sidestep::cni_bin;
 
 /// Annotations of a pod that Istio's injector has processed (what the runtime passes in
 /// runtimeConfig with the `io.kubernetes.cri.pod-annotations` capability).
@@ -212,7 +212,7 @@ impl PluginCall<'_> {
     }
 
     pub fn command(&self, cni_command: &str) -> Command {
-        let mut c = Command::new(bin_dir().join("sidestep-cni"));
+        let mut c = Command::new(cni_bin());
         c.env_clear()
             .env(
                 "PATH",
@@ -392,7 +392,7 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
             }
             drop(ns);
         }
-        let mut c = Command::new(bin_dir().join("sidestep-cni"));
+        let mut c = Command::new(cni_bin());
         c.env_clear().env("CNI_COMMAND", "VERSION");
         let (d, _) = timed(c, b"{\"cniVersion\":\"1.0.0\"}", None)?;
         if timed_round {

@@ -20,7 +20,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use sidestep_tests::{
     ChildGuard, Node, NodeOptions, Pod, PodOptions, Spawn, TestEnv, haproxy, link_exists, nginx,
-    sidestep::{bin_dir, sidestep},
+    sidestep::{bin_dir, cni_bin, sidestep},
     skip_unless_root, url,
 };
 
@@ -80,7 +80,7 @@ impl Dirs {
             ),
             ("pin-root", s(env.pin_root())),
             ("cgroup", s(env.cgroup_path())),
-            ("cni-binary", s(&bin_dir().join("sidestep-cni"))),
+            ("cni-binary", s(&cni_bin())),
         ]
         .into_iter()
         .flat_map(|(k, v)| [format!("--{k}"), v])
@@ -279,7 +279,7 @@ fn check_agent(d: &Dirs, agent: &mut AgentProc, lines: &mut Vec<Line>) -> Result
         ready.lines().next().unwrap_or_default()
     );
     let installed = d.bin.join("sidestep");
-    let same = std::fs::read(&installed).ok() == std::fs::read(bin_dir().join("sidestep-cni")).ok();
+    let same = std::fs::read(&installed).ok() == std::fs::read(cni_bin()).ok();
     let plugins = sidestep_entries(&d.conf.join(PRIMARY))?;
     let types: Vec<&str> = plugins.iter().filter_map(|p| p["type"].as_str()).collect();
     lines.push(Line::new(

@@ -14,7 +14,8 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use sidestep_tests::{
-    ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv, sidestep::bin_dir,
+    ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv,
+    sidestep::{bin_dir, cni_bin},
 };
 
 pub const APP_UID: u32 = 1000;
@@ -43,10 +44,7 @@ impl Dirs {
         for p in [&d.bin, &d.conf, &d.sa, &d.fallback_bin] {
             std::fs::create_dir_all(p)?;
         }
-        std::os::unix::fs::symlink(
-            bin_dir().join("sidestep-cni"),
-            d.fallback_bin.join("sidestep"),
-        )?;
+        std::os::unix::fs::symlink(cni_bin(), d.fallback_bin.join("sidestep"))?;
         std::fs::write(d.sa.join("token"), "token-1")?;
         std::fs::write(d.sa.join("ca.crt"), "-----BEGIN CERTIFICATE-----\nfake\n")?;
         Ok(d)
@@ -128,7 +126,7 @@ pub fn base_args(env: &TestEnv, d: &Dirs, port: u16) -> Vec<String> {
         "--cgroup".into(),
         s(env.cgroup_path()),
         "--cni-binary".into(),
-        s(&bin_dir().join("sidestep-cni")),
+        s(&cni_bin()),
         "--listen".into(),
         format!("127.0.0.1:{port}"),
         "--netns-prefix".into(),
@@ -322,7 +320,7 @@ pub fn uninstall(env: &TestEnv, d: &Dirs) -> Result<String> {
         "--pin-root".into(),
         s(env.pin_root()),
         "--cni-binary".into(),
-        s(&bin_dir().join("sidestep-cni")),
+        s(&cni_bin()),
     ];
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = sidestep_tests::sidestep::sidestep(&argv)?;

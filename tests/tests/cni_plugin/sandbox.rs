@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
-use sidestep_tests::{Cgroup, cgroup2_mount, netns};
+use sidestep_tests::{Cgroup, cgroup2_mount, netns, sidestep::cni_bin};
 
 pub const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
 pub const K8S_ARGS: &str = "IgnoreUnknown=1;K8S_POD_NAME=web;K8S_POD_NAMESPACE=shop";
@@ -66,10 +66,7 @@ impl Sandbox {
         }
         let cni_path = tempfile::tempdir()?;
         // libcni finds a plugin by its `type` in CNI_PATH; the type is "sidestep".
-        std::os::unix::fs::symlink(
-            bin_dir().join("sidestep-cni"),
-            cni_path.path().join("sidestep"),
-        )?;
+        std::os::unix::fs::symlink(cni_bin(), cni_path.path().join("sidestep"))?;
         Ok(Self {
             pin_root: Path::new("/sys/fs/bpf").join(format!("sidestep-test-{name}")),
             name,

@@ -1,7 +1,7 @@
 //! Reconciling the data path with the pods that really run, at start and periodically:
 //!
 //! - **GC.** A record whose netns is gone (no live netns has its cookie, and its netns path is
-//!   gone or names another netns) lost its DEL: its enrolment and tc links are removed
+//!   gone or names another netns) lost its DEL: its enrolment and per-pod links are removed
 //!   (`unenroll_by_cookie`) and then the record. When the agent cannot tell (the path's
 //!   directory is not mounted into it, an open fails otherwise), nothing is collected.
 //! - **Never enrolled.** A live pod netns whose cookie is not in the pod map is reported (log,
@@ -18,7 +18,9 @@
 //!   runtime's retry enrols the pod again.
 //! - **After a reload** (pins deleted or bpffs unmounted behind the agent, or a first load over
 //!   records that outlived their pins) every pod with a record and a live netns is enrolled
-//!   again from its record, with the recorded policy and interfaces.
+//!   again from its record, with the recorded policy and interfaces, but inbound through tc:
+//!   its proxy listened before this enrolment, which the sk_lookup hook would not see. The
+//!   record is rewritten to say so, so that CHECK agrees.
 //! - **Damaged records** are reported by path (log, `reconcile_errors`); DEL still finds their
 //!   pod through the netns or the record's text. Pods enrolled with no record are reported.
 
@@ -37,7 +39,7 @@ use super::{
     pods::{self, LiveNetns, Record},
     settings::Settings,
 };
-use crate::{enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, tc};
+use crate::{enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -242,16 +244,37 @@ fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, Reconcile
     if pods::fate(&netns, record.netns_cookie) != pods::Fate::Alive {
         return Ok(false);
     }
+    // Already in the new maps: its ADD ran after the reload (its proxy had not started then).
+    let in_new_maps =
+        PolicyMaps::open(&s.pin_root).is_ok_and(|m| m.pods.get(&record.netns_cookie, 0).is_ok());
+    if in_new_maps {
+        return Ok(false);
+    }
+    // The reload emptied SIDESTEP_LSTN, and the pod's proxy will not listen again: only tc finds
+    // its listener now.
+    let mut policy = e.policy.clone();
+    let switch_hook = policy.inbound_hook == InboundHook::SkLookup;
+    policy.inbound_hook = InboundHook::Tc;
     let done = enroll::enroll(
         &s.pin_root,
         &netns,
-        &e.policy,
+        &policy,
         Some(std::slice::from_ref(&e.ifname)),
     )
     .map_err(|err| ReconcileError::Repair {
         netns: netns.display().to_string(),
         reason: format!("enrolling again from {}: {err}", path.display()),
     })?;
+    if switch_hook {
+        record_inbound_hook(path, &e, InboundHook::Tc).map_err(|err| ReconcileError::Repair {
+            netns: netns.display().to_string(),
+            reason: format!(
+                "enrolled again with the tc inbound hook, but cannot record it in {} (CHECK will \
+                 report the pod map entry differs): {err}",
+                path.display()
+            ),
+        })?;
+    }
     tracing::info!(
         pod = %pod_label(record),
         netns = %netns.display(),
@@ -260,6 +283,21 @@ fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, Reconcile
         "enrolled again from its record after the reload"
     );
     Ok(true)
+}
+
+/// Rewrites the record's `policy.inboundHook` (temporary file and rename, mode 0600), unless
+/// the record changed since `read` (a DEL removed it, an ADD rewrote it). A DEL racing this can
+/// still lose to the rename; the record then names a dead netns, and the next reconcile
+/// collects it.
+fn record_inbound_hook(path: &Path, read: &Enrolment, hook: InboundHook) -> std::io::Result<()> {
+    let mut v: Value = serde_json::from_slice(&std::fs::read(path)?)?;
+    if v.get("createdUnix").and_then(Value::as_u64) != Some(read.created_unix) {
+        return Ok(());
+    }
+    v["policy"]["inboundHook"] = json!(hook.as_str());
+    let mut bytes = serde_json::to_vec_pretty(&v)?;
+    bytes.push(b'\n');
+    super::conflist::write_atomic(path, &bytes, 0o600).map_err(std::io::Error::other)
 }
 
 /// `reenrol`: the data path was (re)created empty since the last reconcile, so every recorded
