@@ -42,6 +42,11 @@ pub trait Dataplane {
     fn has_sk_lookup(&self, cookie: u64) -> bool;
     /// The pod's pinned re-route links (`<ifname>:reroute-ingress`, `…:reroute-egress`).
     fn reroute_pins(&self, cookie: u64) -> Vec<String>;
+    /// Whether a TCP socket in the netns already listens on `port`; an error when it cannot
+    /// tell.
+    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError>;
+    /// The addresses of the netns's first interface that has a global one (none: empty).
+    fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr>;
 }
 
 #[derive(Debug)]
@@ -134,6 +139,19 @@ impl Dataplane for Pinned {
 
     fn reroute_pins(&self, cookie: u64) -> Vec<String> {
         tc::reroute_pins(&PinLayout::new(&self.pin_root), cookie)
+    }
+
+    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError> {
+        let ns = self.open_netns(netns)?;
+        let found = ns.run(|| sidestep::netns::tcp_listening_on(port));
+        *self.opened.borrow_mut() = Some(ns);
+        found
+    }
+
+    fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr> {
+        sidestep::agent::pods::pod_addresses(netns)
+            .map(|a| a.ips.into_iter().map(|(ip, _)| ip).collect())
+            .unwrap_or_default()
     }
 }
 

@@ -197,6 +197,26 @@ fn lifecycle() -> Result<()> {
     expect_ok(&call(&sb, "DEL", "tc", &d, &tc)?, "DEL tc")?;
     ensure!(!sb.pods()?.contains(&d_cookie) && sb.pod_links() == before);
 
+    // An ADD into a netns whose inbound port already listens (a running pod: `podman network
+    // connect`): the sk_lookup hook would never learn that listener, so the plugin takes tc.
+    let r = sb.add_netns("r")?;
+    let r_cookie = netns::cookie(&r)?;
+    let listener = listen_in(&r, 15006)?;
+    expect_ok(
+        &call(&sb, "ADD", "running", &r, &conf)?,
+        "ADD into a running pod",
+    )?;
+    let rec: Value = serde_json::from_slice(&fs::read(sb.state_dir().join("running@eth0.json"))?)?;
+    ensure!(rec["policy"]["inboundHook"] == "tc", "{rec}");
+    ensure!(
+        sb.pod_links().contains(&format!("tc/{r_cookie}/eth0")),
+        "links {:?}",
+        sb.pod_links()
+    );
+    expect_ok(&call(&sb, "CHECK", "running", &r, &conf)?, "CHECK running")?;
+    expect_ok(&call(&sb, "DEL", "running", &r, &conf)?, "DEL running")?;
+    drop(listener);
+
     // A re-routed virtual interface through the plugin: its two links, which CHECK verifies;
     // without the interface, ADD fails naming it and changes nothing.
     let v = sb.add_netns("v")?;
@@ -327,4 +347,16 @@ fn bad_input_corpus_changes_nothing() {
         return;
     }
     corpus::corpus().unwrap();
+}
+
+/// A TCP listener on `port` inside the netns at `path`, made on a thread that enters it (the
+/// socket stays in that netns).
+fn listen_in(path: &std::path::Path, port: u16) -> Result<std::net::TcpListener> {
+    let ns = fs::File::open(path)?;
+    std::thread::spawn(move || -> Result<std::net::TcpListener> {
+        nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        Ok(std::net::TcpListener::bind(("0.0.0.0", port))?)
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("listener thread panicked"))?
 }

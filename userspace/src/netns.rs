@@ -122,6 +122,33 @@ impl Drop for GoHome {
     }
 }
 
+/// Whether a TCP socket of the calling thread's netns listens on `port` (any address, IPv4 or
+/// IPv6), from /proc/thread-self/net/tcp{,6}.
+pub fn tcp_listening_on(port: u16) -> io::Result<bool> {
+    const LISTEN: &str = "0A";
+    for file in ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"] {
+        let text = match std::fs::read_to_string(file) {
+            Ok(t) => t,
+            // A kernel without IPv6 has no tcp6.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let listening = text.lines().skip(1).any(|line| {
+            let mut fields = line.split_whitespace().skip(1);
+            let local_port = fields
+                .next()
+                .and_then(|local| local.rsplit_once(':'))
+                .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            let state = fields.nth(1);
+            local_port == Some(port) && state == Some(LISTEN)
+        });
+        if listening {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The cookie of the netns the calling thread is in.
 pub fn socket_netns_cookie() -> io::Result<u64> {
     let sock = nix::sys::socket::socket(
@@ -146,4 +173,21 @@ pub fn socket_netns_cookie() -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     Ok(cookie)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tcp_listening_on_sees_a_listener_of_this_netns() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(super::tcp_listening_on(port).unwrap());
+        drop(l);
+        assert!(!super::tcp_listening_on(port).unwrap());
+        let l6 = std::net::TcpListener::bind("[::1]:0");
+        if let Ok(l6) = l6 {
+            let port = l6.local_addr().unwrap().port();
+            assert!(super::tcp_listening_on(port).unwrap());
+        }
+    }
 }

@@ -256,9 +256,14 @@ pub struct Policy {
     /// IPv6 outbound capture. On by default: an IPv6 connect from a v4-only pod then fails at the
     /// proxy instead of leaving the pod uncaptured (istio-iptables installs no ip6tables rules).
     pub capture_ipv6: bool,
-    /// The pod's own addresses, for hairpin detection.
+    /// The pod's own addresses: how the inbound programs find the pod a connection is for (the
+    /// sk_lookup hook has nothing else), and what counts as the pod itself (`-o lo`).
     #[serde(rename = "podIPs")]
     pub pod_ips: Vec<IpAddr>,
+    /// Istio's hairpin: the proxy calling its own pod's address goes to the inbound port. Linkerd
+    /// has none (its rules skip the proxy and loopback wholesale). Written only when off.
+    #[serde(skip_serializing_if = "is_true")]
+    pub hairpin: bool,
     /// App <-> proxy bytes on loopback go socket to socket (sk_msg); off by default until the
     /// benchmark shows it wins everywhere.
     pub sk_msg: bool,
@@ -287,10 +292,15 @@ impl Default for Policy {
             dns_capture: false,
             capture_ipv6: true,
             pod_ips: Vec::new(),
+            hairpin: true,
             sk_msg: false,
             inbound_hook: InboundHook::Tc,
         }
     }
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// Everything one pod puts in the maps.
@@ -382,7 +392,9 @@ impl Policy {
             PortSet::Only(_) => {}
         }
         if f & flags::INBOUND != 0 {
-            f |= flags::HAIRPIN;
+            if self.hairpin {
+                f |= flags::HAIRPIN;
+            }
             ports.extend(
                 self.effective_inbound_excludes()
                     .into_iter()

@@ -177,7 +177,12 @@ fn attach_sk_lookup(
         source: e,
     };
     if pin.exists() {
-        return Ok(());
+        if sk_lookup_attached(&pin) {
+            return Ok(());
+        }
+        // Pinned but detached (an unenrolment killed between its detach and its unlink): a new
+        // link replaces it.
+        fs::remove_file(&pin).map_err(io)?;
     }
     mkdir_private(pin.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
     let prog = crate::sys::obj_get(&layout.program(program_names::SK_LOOKUP)).map_err(io)?;
@@ -208,9 +213,17 @@ pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadE
     }
 }
 
-/// Whether the pod's sk_lookup link is pinned.
+/// Whether the pod's sk_lookup link is pinned and still attached to its netns.
 pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
-    sk_lookup_pin(layout, netns_cookie).exists()
+    sk_lookup_attached(&sk_lookup_pin(layout, netns_cookie))
+}
+
+/// Whether the netns link pinned at `pin` is attached: the kernel reports no netns once it was
+/// detached, or its netns died.
+fn sk_lookup_attached(pin: &std::path::Path) -> bool {
+    crate::sys::obj_get(pin)
+        .and_then(|link| crate::sys::link_info(link.as_fd()))
+        .is_ok_and(|i| i.link_type == crate::sys::BPF_LINK_TYPE_NETNS && i.netns_ino != 0)
 }
 
 /// The interfaces of a pod that currently have a pinned inbound tc link.

@@ -14,7 +14,10 @@ use super::{
     Ctx, Resolved, Uncaptured, args_label, others_sharing, pod_label, require_loaded, resolve,
     uncaptured,
 };
-use sidestep::sys::failpoint;
+use sidestep::{
+    policy::{InboundHook, Policy},
+    sys::failpoint,
+};
 
 use crate::{
     config::Mesh,
@@ -53,20 +56,11 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     };
     let who = pod_label(identity.as_ref(), cid);
     let mut policy = enrolment.policy;
-    policy.inbound_hook = ctx.cfg.inbound_hook;
-    if enrolment.hairpin && policy.pod_ips.is_empty() {
-        policy.pod_ips = match &ctx.cfg.prev_result {
-            Some(p) if !p.ips.is_empty() => p.ips.clone(),
-            _ => api_ips,
-        };
-        if policy.pod_ips.is_empty() {
-            tracing::info!(
-                "{who}: no pod IPs in prevResult or the pod status; enrolling without hairpin"
-            );
-        }
-    } else if !enrolment.hairpin {
-        policy.pod_ips.clear();
+    policy.hairpin = enrolment.hairpin;
+    if policy.pod_ips.is_empty() {
+        policy.pod_ips = pod_ips(ctx, netns, api_ips, &who);
     }
+    policy.inbound_hook = inbound_hook(ctx, netns, &policy, &who);
 
     let fail = |error: CniError| {
         uncaptured(
@@ -164,6 +158,63 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         enrolled.interfaces.join(",")
     );
     Ok(output)
+}
+
+/// The pod's addresses: prevResult's, else the pod status's, else what the netns has (a
+/// runtime can ADD before it reports IPs). With none the pod is enrolled anyway: no hairpin, and
+/// inbound through tc (see [`inbound_hook`]).
+fn pod_ips(
+    ctx: &Ctx<'_>,
+    netns: &std::path::Path,
+    api_ips: Vec<std::net::IpAddr>,
+    who: &str,
+) -> Vec<std::net::IpAddr> {
+    let mut ips = match &ctx.cfg.prev_result {
+        Some(p) if !p.ips.is_empty() => p.ips.clone(),
+        _ => api_ips,
+    };
+    if ips.is_empty() {
+        ips = ctx.dp.addresses(netns);
+        if ips.is_empty() {
+            tracing::info!(
+                "{who}: no pod IPs in prevResult, the pod status or the netns; enrolling without \
+                 hairpin"
+            );
+        }
+    }
+    ips
+}
+
+/// The configured inbound hook, but `tc` where `sk_lookup` cannot work: without a pod address
+/// (sk_lookup finds the pod by the connection's destination address), or when something already
+/// listens on the inbound port (an ADD into a running netns, such as `podman network connect`:
+/// sk_lookup knows a proxy's listener only from a listen(2) after enrolment). An error reading
+/// the netns's sockets counts as a listener.
+fn inbound_hook(ctx: &Ctx<'_>, netns: &std::path::Path, policy: &Policy, who: &str) -> InboundHook {
+    let hook = ctx.cfg.inbound_hook;
+    if hook != InboundHook::SkLookup || policy.inbound_port == 0 {
+        return hook;
+    }
+    if policy.pod_ips.is_empty() {
+        tracing::info!("{who}: no pod address for the sk_lookup hook; inbound through tc");
+        return InboundHook::Tc;
+    }
+    match ctx.dp.listening(netns, policy.inbound_port) {
+        Ok(false) => hook,
+        Ok(true) => {
+            tracing::info!(
+                "{who}: port {} already listens in the netns (a running pod); inbound through tc",
+                policy.inbound_port
+            );
+            InboundHook::Tc
+        }
+        Err(e) => {
+            tracing::warn!(
+                "{who}: cannot tell whether the proxy listens already ({e}); inbound through tc"
+            );
+            InboundHook::Tc
+        }
+    }
 }
 
 /// Puts back the record an earlier ADD of this attachment wrote, or removes the pending one,

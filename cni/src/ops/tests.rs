@@ -31,6 +31,10 @@ struct World {
     pods: RefCell<BTreeMap<u64, Policy>>,
     links: RefCell<BTreeMap<u64, Vec<String>>>,
     fail_enroll: Cell<bool>,
+    /// Ports something listens on in every netns.
+    listening: RefCell<Vec<u16>>,
+    /// What every netns reports as its addresses.
+    addresses: RefCell<Vec<std::net::IpAddr>>,
 }
 
 struct Fake(Rc<World>, PathBuf);
@@ -100,6 +104,13 @@ impl Dataplane for Fake {
     }
     fn has_sk_lookup(&self, cookie: u64) -> bool {
         self.0.links.borrow().contains_key(&cookie)
+    }
+    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError> {
+        self.netns_cookie(netns)?;
+        Ok(self.0.listening.borrow().contains(&port))
+    }
+    fn addresses(&self, _netns: &Path) -> Vec<std::net::IpAddr> {
+        self.0.addresses.borrow().clone()
     }
     /// What a real enrolment pins for the policy's re-routed interfaces.
     fn reroute_pins(&self, cookie: u64) -> Vec<String> {
@@ -570,4 +581,85 @@ fn a_failed_enrolment_leaves_no_pending_record_and_keeps_an_earlier_one() {
         std::fs::read(h.state_dir().join("c1@eth0.json")).unwrap(),
         before
     );
+}
+
+#[test]
+fn pod_addresses_and_hairpin_follow_the_mesh() {
+    // Linkerd: no hairpin, but the pod's addresses are registered, since the inbound programs
+    // find the pod by them.
+    let h = Harness::new();
+    let conf = h.conf(json!({
+        "mesh": "linkerd",
+        "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"linkerd.io/proxy-version": "stable-2.14.0"}},
+    }));
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    assert!(o.success, "{:?}", o.stdout);
+    let p = h.world.pods.borrow()[&101].clone();
+    assert!(!p.hairpin);
+    assert_eq!(p.pod_ips, ["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]);
+    let flags = p.to_map_entries(101).pod.flags;
+    assert_eq!(flags & sidestep_abi::flags::HAIRPIN, 0);
+    assert_ne!(flags & sidestep_abi::flags::INBOUND, 0);
+    assert_eq!(p.inbound_hook, sidestep::policy::InboundHook::SkLookup);
+
+    // Istio: hairpin on.
+    let h = Harness::new();
+    assert!(
+        h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    let p = h.world.pods.borrow()[&101].clone();
+    assert!(p.hairpin);
+    assert_ne!(
+        p.to_map_entries(101).pod.flags & sidestep_abi::flags::HAIRPIN,
+        0
+    );
+}
+
+#[test]
+fn sk_lookup_falls_back_to_tc_where_it_cannot_work() {
+    use sidestep::policy::InboundHook;
+    let hook = |h: &Harness| h.world.pods.borrow()[&101].inbound_hook;
+    // No IPs in prevResult: the netns's own addresses, and sk_lookup.
+    let h = Harness::new();
+    h.world
+        .addresses
+        .borrow_mut()
+        .push("10.0.0.9".parse().unwrap());
+    let conf = h.conf(json!({"prevResult": {"cniVersion": "1.0.0",
+        "interfaces": [{"name": "eth0", "sandbox": "/run/netns/a"}], "ips": []}}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert_eq!(
+        h.world.pods.borrow()[&101].pod_ips,
+        ["10.0.0.9".parse::<std::net::IpAddr>().unwrap()]
+    );
+    assert_eq!(hook(&h), InboundHook::SkLookup);
+
+    // No address anywhere: tc, which also finds a pod by its netns.
+    let h = Harness::new();
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert!(h.world.pods.borrow()[&101].pod_ips.is_empty());
+    assert_eq!(hook(&h), InboundHook::Tc);
+
+    // The inbound port listens already (an ADD into a running pod): tc.
+    let h = Harness::new();
+    h.world.listening.borrow_mut().push(15006);
+    assert!(
+        h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    assert_eq!(hook(&h), InboundHook::Tc);
+    let rec: Value =
+        serde_json::from_slice(&std::fs::read(h.state_dir().join("c1@eth0.json")).unwrap())
+            .unwrap();
+    assert_eq!(rec["policy"]["inboundHook"], "tc");
+
+    // Another port listening changes nothing.
+    let h = Harness::new();
+    h.world.listening.borrow_mut().push(8080);
+    assert!(
+        h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    assert_eq!(hook(&h), InboundHook::SkLookup);
 }

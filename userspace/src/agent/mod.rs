@@ -29,10 +29,7 @@ mod watch;
 
 use std::{
     os::fd::AsFd as _,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex, atomic::Ordering},
 };
 
 use anyhow::Context as _;
@@ -69,9 +66,9 @@ pub struct Agent {
     network: Mutex<Option<Network>>,
     /// How the programs were loaded, for reloading them when their pins vanish.
     load: LoadOptions,
-    /// Set when the data path was created empty (a fresh load or a reload): the next reconcile
-    /// enrols every recorded pod again.
-    reenrol: AtomicBool,
+    /// What the load at start-up created empty: the first reconcile enrols recorded pods again
+    /// accordingly (then it is cleared).
+    reenrol: Mutex<reconcile::Recreated>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -142,10 +139,9 @@ impl Agent {
             pod_capacity: settings.pod_capacity,
             object,
         };
-        // Without a pod map, any enrolment the records name is gone from the kernel.
-        let maps_were_pinned = PinLayout::new(&load.pin_root)
-            .map(sidestep_abi::map_names::POD_POLICY)
-            .exists();
+        // Without a pod map, any enrolment the records name is gone from the kernel; without the
+        // listener map, any sk_lookup pod's proxy listener.
+        let recreated = reconcile::Recreated::missing(&load.pin_root);
         let outcome = loader::load(&load)?;
         sys::failpoint("agent:after-load");
         tracing::info!(
@@ -188,7 +184,7 @@ impl Agent {
             load,
             // Records that outlived their pins (a reboot keeps /var/lib, not bpffs) name pods
             // whose netns may still run.
-            reenrol: AtomicBool::new(!maps_were_pinned),
+            reenrol: Mutex::new(recreated),
         };
         agent.install_binary()?;
         sys::failpoint("agent:after-install");
@@ -351,12 +347,13 @@ impl Agent {
     /// Reloads the programs when pins are missing (bpffs unmounted, pins deleted behind our
     /// back), and marks every recorded pod for enrolment at once: the maps may be new and empty.
     /// Returns what was missing when it reloaded.
-    fn ensure_data_path(&self) -> Result<Option<String>, String> {
+    fn ensure_data_path(&self) -> Result<Option<(String, reconcile::Recreated)>, String> {
         let layout = PinLayout::new(&self.settings.pin_root);
         let lost = loader::missing_pins(&layout);
         if lost.is_empty() {
             return Ok(None);
         }
+        let recreated = reconcile::Recreated::missing(&self.settings.pin_root);
         let why = format!(
             "{} pins were missing under {} (first: {}): bpffs unmounted or pins deleted",
             lost.len(),
@@ -370,7 +367,7 @@ impl Agent {
             ?outcome,
             "reloaded the programs; enrolling recorded pods again"
         );
-        Ok(Some(why))
+        Ok(Some((why, recreated)))
     }
 
     /// The network (name, cniVersion) the entry was last put into.
@@ -385,13 +382,19 @@ impl Agent {
             tracing::warn!(error = %format!("{e:#}"), "reinstalling the CNI plugin");
         }
         let reloaded = self.ensure_data_path();
-        let reenrol =
-            self.reenrol.swap(false, Ordering::Relaxed) || matches!(reloaded, Ok(Some(_)));
+        let at_start = std::mem::take(&mut *lock(&self.reenrol));
+        let recreated = match &reloaded {
+            Ok(Some((_, r))) => reconcile::Recreated {
+                pods: r.pods || at_start.pods,
+                listeners: r.listeners || at_start.listeners,
+            },
+            _ => at_start,
+        };
         let mut report =
-            reconcile::reconcile(&self.settings, &self.entry, network.as_ref(), reenrol);
+            reconcile::reconcile(&self.settings, &self.entry, network.as_ref(), recreated);
         match reloaded {
             Ok(None) => {}
-            Ok(Some(why)) => {
+            Ok(Some((why, _))) => {
                 report.errors.push(format!("data path reloaded: {why}"));
                 report.reloaded = Some(why);
             }

@@ -39,6 +39,8 @@ use super::{
     pods::{self, LiveNetns, Record},
     settings::Settings,
 };
+use sidestep_abi::map_names;
+
 use crate::{enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc};
 
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +123,31 @@ fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
         }
     }
     any
+}
+
+/// What a load or reload had to create empty, which decides which recorded pods are enrolled
+/// again (see [`reenrol`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Recreated {
+    /// The pod map: every enrolment made before is gone from the kernel.
+    pub pods: bool,
+    /// The proxies' listeners (`SIDESTEP_LSTN`): pods on the sk_lookup hook lost theirs.
+    pub listeners: bool,
+}
+
+impl Recreated {
+    /// What is not pinned under `pin_root` now, and a load would create.
+    pub fn missing(pin_root: &Path) -> Self {
+        let layout = PinLayout::new(pin_root);
+        Self {
+            pods: !layout.map(map_names::POD_POLICY).exists(),
+            listeners: !layout.map(map_names::LISTENERS).exists(),
+        }
+    }
+
+    pub fn any(self) -> bool {
+        self.pods || self.listeners
+    }
 }
 
 /// The cookies in the pod map (empty when not loaded).
@@ -236,7 +263,12 @@ fn undo_dead_add(
 }
 
 /// Enrols a recorded pod again, as its ADD did, after the data path was reloaded.
-fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, ReconcileError> {
+fn reenrol(
+    s: &Settings,
+    path: &Path,
+    record: &Record,
+    recreated: Recreated,
+) -> Result<bool, ReconcileError> {
     let Some(e) = enrolment(path).filter(|e| !e.pending) else {
         return Ok(false);
     };
@@ -244,10 +276,14 @@ fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, Reconcile
     if pods::fate(&netns, record.netns_cookie) != pods::Fate::Alive {
         return Ok(false);
     }
-    // Already in the new maps: its ADD ran after the reload (its proxy had not started then).
-    let in_new_maps =
+    // In the pod map: enrolled by an ADD after the map was recreated (its proxy listens after
+    // it), or the map survived; then only an sk_lookup pod whose listener map was recreated
+    // needs anything.
+    let in_pod_map =
         PolicyMaps::open(&s.pin_root).is_ok_and(|m| m.pods.get(&record.netns_cookie, 0).is_ok());
-    if in_new_maps {
+    let lost_listener =
+        !recreated.pods && recreated.listeners && e.policy.inbound_hook == InboundHook::SkLookup;
+    if in_pod_map && !lost_listener {
         return Ok(false);
     }
     // The reload emptied SIDESTEP_LSTN, and the pod's proxy will not listen again: only tc finds
@@ -266,7 +302,7 @@ fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, Reconcile
         reason: format!("enrolling again from {}: {err}", path.display()),
     })?;
     if switch_hook {
-        record_inbound_hook(path, &e, InboundHook::Tc).map_err(|err| ReconcileError::Repair {
+        record_inbound_hook(path, &e, record.netns_cookie, InboundHook::Tc).map_err(|err| ReconcileError::Repair {
             netns: netns.display().to_string(),
             reason: format!(
                 "enrolled again with the tc inbound hook, but cannot record it in {} (CHECK will \
@@ -289,9 +325,23 @@ fn reenrol(s: &Settings, path: &Path, record: &Record) -> Result<bool, Reconcile
 /// the record changed since `read` (a DEL removed it, an ADD rewrote it). A DEL racing this can
 /// still lose to the rename; the record then names a dead netns, and the next reconcile
 /// collects it.
-fn record_inbound_hook(path: &Path, read: &Enrolment, hook: InboundHook) -> std::io::Result<()> {
-    let mut v: Value = serde_json::from_slice(&std::fs::read(path)?)?;
-    if v.get("createdUnix").and_then(Value::as_u64) != Some(read.created_unix) {
+fn record_inbound_hook(
+    path: &Path,
+    read: &Enrolment,
+    cookie: u64,
+    hook: InboundHook,
+) -> std::io::Result<()> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        // A DEL removed it meanwhile.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let mut v: Value = serde_json::from_slice(&bytes)?;
+    let same = v.get("createdUnix").and_then(Value::as_u64) == Some(read.created_unix)
+        && v.get("netnsCookie").and_then(Value::as_u64) == Some(cookie)
+        && v.get("pending").is_none_or(|p| p == &Value::Bool(false));
+    if !same {
         return Ok(());
     }
     v["policy"]["inboundHook"] = json!(hook.as_str());
@@ -306,7 +356,7 @@ pub fn reconcile(
     s: &Settings,
     entry: &Value,
     network: Option<&Network>,
-    reenrol_all: bool,
+    recreated: Recreated,
 ) -> Report {
     let scan = pods::Scan {
         netns_dirs: &s.netns_dirs,
@@ -382,8 +432,8 @@ pub fn reconcile(
             Ok(false) => {}
             Err(e) => report.errors.push(e.to_string()),
         }
-        if reenrol_all {
-            match reenrol(s, path, record) {
+        if recreated.any() {
+            match reenrol(s, path, record, recreated) {
                 Ok(true) => report.repaired.push(LiveNetns {
                     path: record.netns.clone(),
                     cookie: record.netns_cookie,
