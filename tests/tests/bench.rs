@@ -44,10 +44,18 @@ fn bench() -> Result<()> {
         svg.display(),
         report.timings.total.as_secs_f64()
     );
-    if !report.missing.is_empty() {
+    for m in &report.missing {
+        eprintln!("bench: no successful run for {m} (the report says so)");
+    }
+    let failed = report.missing_in_default_modes();
+    if !failed.is_empty() {
         bail!(
             "no successful run for: {} (the report says so too)",
-            report.missing.join(", ")
+            failed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(())

@@ -513,13 +513,16 @@ pub fn run(cfg: &Config) -> Result<Report> {
     timings.total = t0.elapsed();
     let sys_end = sysinfo::SysInfo::collect(cfg.quick);
 
-    let missing: Vec<String> = metrics
+    let missing: Vec<report::Missing> = metrics
         .iter()
         .flat_map(|m| {
             Mode::ALL
                 .iter()
                 .filter(|mode| m.values[mode.index()].is_empty())
-                .map(move |mode| format!("{} / {}", m.label, mode.label()))
+                .map(move |&mode| report::Missing {
+                    metric: m.label.to_string(),
+                    mode,
+                })
         })
         .collect();
     Ok(Report {
