@@ -4,11 +4,10 @@
 //! request (so every request goes through connect4 and tc ingress) while the agent is SIGKILLed and restarted, or stopped
 //! and replaced by a build with another BPF object. Needs root.
 //!
-//! Why not wrk with `Connection: close` at full rate: the server side then holds each closed
-//! 4-tuple in TIME_WAIT, the client soon reuses a source port, and tc ingress's sk_assign of
-//! that SYN to the proxy listener is dropped for the 60 s of TIME_WAIT (the kernel's own
-//! TIME_WAIT recycling never runs for an assigned SYN). That is a data-path limit, independent
-//! of the agent (it happens with no restart at all), reported separately.
+//! The client's port range is wide, so that its new connections never land on a 4-tuple the
+//! server still holds in TIME_WAIT: SYNs onto TIME_WAIT take their own path (tc leaves them to
+//! the kernel's recycling, which sk_lookup steers), tested on its own in inbound.rs for proxies
+//! that listened before and after enrolment. Here only the restart is under test.
 
 mod agent_support;
 
@@ -40,7 +39,7 @@ fn mesh(env: &TestEnv, d: &Dirs, agent: &mut Agent) -> Result<Mesh> {
     let client = node.add_pod_with("client", meshed())?;
     let server = node.add_pod_with("server", meshed())?;
     // New connections from the client never reuse a 4-tuple the server still holds in
-    // TIME_WAIT within the test (see the note at finish_load).
+    // TIME_WAIT within the test (see the module doc).
     netns::set_sysctl(
         &client.netns_path,
         "net.ipv4.ip_local_port_range",

@@ -6,7 +6,10 @@ use std::{net::SocketAddr, time::Duration};
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
 use sidestep_tests::{
-    Node, NodeOptions, Pod, Spawn, TestEnv, haproxy, http_get, nginx, sidestep::Loaded,
+    Node, NodeOptions, Pod, Spawn, TestEnv,
+    bench::netstat::{tcp_counters, time_wait},
+    haproxy, http_get, nginx,
+    sidestep::Loaded,
     skip_unless_root, url,
 };
 
@@ -222,16 +225,51 @@ fn port_reuse_onto_time_wait_still_reaches_the_proxy() -> Result<()> {
     if skip_unless_root("port_reuse_onto_time_wait_still_reaches_the_proxy") {
         return Ok(());
     }
+    port_reuse_onto_time_wait(ProxiesListen::AfterEnrolment)
+}
+
+/// The same when the proxies listened before their pods were enrolled, as in a pod the agent
+/// repairs or an ADD into a running netns: sock_ops never saw the listen(2), so tc ingress
+/// registers the listener for sk_lookup when it first leaves a SYN to TIME_WAIT recycling.
+/// Before that, every such SYN was refused for the whole TIME_WAIT period.
+#[test]
+fn port_reuse_onto_time_wait_reaches_a_proxy_that_listened_before_enrolment() -> Result<()> {
+    if skip_unless_root("port_reuse_onto_time_wait_reaches_a_proxy_that_listened_before_enrolment")
+    {
+        return Ok(());
+    }
+    port_reuse_onto_time_wait(ProxiesListen::BeforeEnrolment)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum ProxiesListen {
+    AfterEnrolment,
+    BeforeEnrolment,
+}
+
+fn port_reuse_onto_time_wait(when: ProxiesListen) -> Result<()> {
     let env = TestEnv::new("timewait")?;
     let node = Node::new(&env, NodeOptions::ipv4_only())?;
     let client = node.add_pod("client")?;
     let server = node.add_pod("server")?;
     let _web = nginx::Server::start(&env, &server, 80)?;
     let loaded = Loaded::load(&env)?;
-    loaded.enroll(&client, &[])?;
-    loaded.enroll(&server, &[])?;
-    let _c = haproxy::Sidecar::start(&env, &client, Default::default())?;
-    let _s = haproxy::Sidecar::start(&env, &server, Default::default())?;
+    let start_sidecars = || -> Result<_> {
+        Ok((
+            haproxy::Sidecar::start(&env, &client, Default::default())?,
+            haproxy::Sidecar::start(&env, &server, Default::default())?,
+        ))
+    };
+    let early = match when {
+        ProxiesListen::BeforeEnrolment => Some(start_sidecars()?),
+        ProxiesListen::AfterEnrolment => None,
+    };
+    loaded.enroll(&client, &["--inbound-hook", "tc"])?;
+    loaded.enroll(&server, &["--inbound-hook", "tc"])?;
+    let _sidecars = match early {
+        Some(s) => s,
+        None => start_sidecars()?,
+    };
     // 101 source ports for 300 connections: most reuse a 4-tuple in TIME_WAIT on the server.
     sidestep_tests::netns::set_sysctl(
         &client.netns_path,
@@ -254,9 +292,25 @@ fn port_reuse_onto_time_wait_still_reaches_the_proxy() -> Result<()> {
     for _ in 0..REQUESTS {
         argv.push(&target);
     }
+    let before = tcp_counters(&client)?;
     let out = client.run(&env, APP_UID, &argv)?;
     let ok = String::from_utf8_lossy(&out.stdout).matches("200").count();
-    ensure!(ok == REQUESTS, "{ok}/{REQUESTS} requests succeeded");
+    let retransmitted = tcp_counters(&client)?.since(before).syn_retrans;
+    ensure!(
+        ok == REQUESTS,
+        "{ok}/{REQUESTS} requests succeeded ({retransmitted} SYNs retransmitted): {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    // The client's sidecar retries a refused SYN after its 1 s RTO, so requests still succeed
+    // when the TIME_WAIT path fails; only the retransmissions show it.
+    ensure!(
+        retransmitted == 0,
+        "{retransmitted} SYNs retransmitted: SYNs onto TIME_WAIT 4-tuples were not taken by the proxy"
+    );
+    ensure!(
+        time_wait(&server)? > 101,
+        "fewer TIME_WAIT sockets than source ports: no 4-tuple was reused"
+    );
     ensure!(counter(&loaded, &server, "redirected_inbound")? >= REQUESTS as u64);
     Ok(())
 }

@@ -9,16 +9,19 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_CURRENT_NETNS, bpf_sock, bpf_sock_tuple},
-    helpers::generated::{bpf_get_netns_cookie, bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::generated::{
+        bpf_get_netns_cookie, bpf_map_update_elem, bpf_sk_assign, bpf_sk_release,
+        bpf_skc_lookup_tcp,
+    },
     macros::classifier,
     programs::TcContext,
 };
 use sidestep_abi::{
-    OrigDst, PodPolicy, TupleKey, flags, linux, port_list, redirect_kind, socket_side,
+    ListenerKey, OrigDst, PodPolicy, TupleKey, flags, linux, port_list, redirect_kind, socket_side,
 };
 
 use crate::{
-    maps::{SIDESTEP_ADDRS, SIDESTEP_NEST, SIDESTEP_PEND},
+    maps::{SIDESTEP_ADDRS, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_PEND},
     packet::{Segment, parse_tcp},
     policy::{self, port_listed},
 };
@@ -30,6 +33,7 @@ const PASS: i32 = 0;
 /// Captured but no proxy listens: drop rather than deliver around the proxy (fail closed).
 const DROP: i32 = 2;
 
+const TCP_TIME_WAIT: u32 = 6;
 const TCP_LISTEN: u32 = 10;
 
 #[classifier]
@@ -88,12 +92,15 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
     // recycles the TIME_WAIT socket and looks up a listener, which `sidestep_sk_lookup` steers
     // to the proxy.
     let mut tuple = socket_tuple(seg, seg.dst_port_be);
+    let mut listener_tuple = socket_tuple(seg, pod.inbound_port.to_be());
     if let Some(state) = lookup_state(ctx, &mut tuple, seg.ipv6)
         && state != TCP_LISTEN
     {
+        if state == TCP_TIME_WAIT {
+            remember_listener(ctx, &mut listener_tuple, seg.ipv6, netns_cookie, pod.inbound_port);
+        }
         return NEXT;
     }
-    let mut listener_tuple = socket_tuple(seg, pod.inbound_port.to_be());
     let Some(listener) = lookup(ctx, &mut listener_tuple, seg.ipv6) else {
         return DROP;
     };
@@ -128,6 +135,49 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
     let _ = SIDESTEP_PEND.insert(key, orig, 0);
     policy::count(netns_cookie, |c| c.redirected_inbound += 1);
     PASS
+}
+
+/// Puts the proxy's inbound listener into `SIDESTEP_LSTN`, where `sidestep_sk_lookup` finds it
+/// for the SYN that tc leaves to the kernel's TIME_WAIT recycling. sock_ops adds a listener when
+/// it listens, which misses a proxy that listened before its pod was enrolled (a pod repaired by
+/// the agent, an ADD into a running netns) or before a reload made a new map; without this its
+/// SYNs onto TIME_WAIT 4-tuples would be refused for the whole TIME_WAIT period.
+#[inline(always)]
+fn remember_listener(
+    ctx: &TcContext,
+    listener_tuple: &mut bpf_sock_tuple,
+    ipv6: bool,
+    netns_cookie: u64,
+    inbound_port: u16,
+) {
+    let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {
+        return;
+    };
+    // SAFETY: `listener` is a referenced socket from skc_lookup; both are sock_common fields.
+    let (state, family) = unsafe { ((*listener).state, (*listener).family) };
+    if state == TCP_LISTEN {
+        // The socket's own family, as sock_ops keys it: a dual-stack [::] listener is AF_INET6
+        // and sk_lookup tries that key for IPv4 too.
+        let key = ListenerKey {
+            netns_cookie,
+            family,
+            port: u32::from(inbound_port),
+        };
+        // SAFETY: the map pointer is the BTF map definition the loader relocates (what aya's
+        // own wrappers pass); the key lives on this stack; the value is a referenced full
+        // listening socket, which the kernel checks again (sk_fullsock, state) under its lock.
+        // A failure leaves the map as it was: the SYN is then refused as before.
+        let _ = unsafe {
+            bpf_map_update_elem(
+                core::ptr::from_ref(&SIDESTEP_LSTN).cast_mut().cast(),
+                core::ptr::from_ref(&key).cast(),
+                listener.cast(),
+                0,
+            )
+        };
+    }
+    // SAFETY: releases the reference skc_lookup took.
+    unsafe { bpf_sk_release(listener.cast()) };
 }
 
 #[inline(always)]
