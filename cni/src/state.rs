@@ -43,6 +43,12 @@
 //!   ([`sidestep::enroll::unenroll_cookie`]) instead of deleting its record's keys.
 //! - The markers go with the last entry, when the DEL that leaves no record naming the cookie
 //!   removes it; GC sweeps entries and directories that crashes left.
+//!
+//! What the index cannot see: an attachment that a plugin without the index ADDs to a netns
+//! after this one indexed it (a downgrade, then an upgrade, while the pod lives). Its record
+//! names the cookie with no entry and no marker, so the last indexed attachment's DEL would
+//! unenrol the netns under it. Deleting `cookies/` after a downgrade (it is only a cache of the
+//! records) makes every such DEL read the records again.
 
 use std::{
     fs::{self, DirBuilder, OpenOptions},
