@@ -8,7 +8,7 @@ use std::{
 };
 
 use sidestep::{
-    enroll::{self, Enrolled},
+    enroll::{self, Enrolled, Recorded},
     error::{EnrollError, MapsError, NetnsError},
     maps::PolicyMaps,
     netns::Netns,
@@ -33,9 +33,16 @@ pub trait Dataplane {
     /// Opens the netns (refusing the host's) and reads its cookie.
     fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError>;
     fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError>;
-    /// Removes a cookie's entries and tc links; `Ok(false)` when it had none. Succeeds when the
-    /// programs are not loaded at all (there is nothing left to remove).
+    /// Whether the cookie is in the pod map; `true` when that cannot be read (the answer decides
+    /// only whether the index marks the cookie for the slow, always correct path).
+    fn is_enrolled(&self, cookie: u64) -> bool;
+    /// Removes a cookie's entries (found by scanning the maps) and tc links; `Ok(false)` when it
+    /// had none. Succeeds when the programs are not loaded at all (there is nothing left to
+    /// remove).
     fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError>;
+    /// [`Dataplane::unenroll`] of the keys a recorded enrolment wrote
+    /// ([`enroll::unenroll_recorded`]), for a record that describes the whole enrolment.
+    fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError>;
     fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError>;
     fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
     /// Whether the pod's netns has its pinned sk_lookup link.
@@ -49,12 +56,21 @@ pub trait Dataplane {
     fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr>;
 }
 
-#[derive(Debug)]
 pub struct Pinned {
     pin_root: PathBuf,
     /// The netns [`Dataplane::netns_cookie`] opened, kept for the enrolment that follows in the
     /// same ADD: opening it checks it is not the host's, and once is enough.
     opened: RefCell<Option<Netns>>,
+    /// The maps [`Dataplane::is_enrolled`] opened, kept for that enrolment too.
+    maps: RefCell<Option<PolicyMaps>>,
+}
+
+impl std::fmt::Debug for Pinned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pinned")
+            .field("pin_root", &self.pin_root)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Pinned {
@@ -62,6 +78,7 @@ impl Pinned {
         Self {
             pin_root: pin_root.into(),
             opened: RefCell::new(None),
+            maps: RefCell::new(None),
         }
     }
 
@@ -93,7 +110,10 @@ impl Dataplane for Pinned {
     fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
         // The same order of checks as enroll::enroll: policy, maps, then the netns.
         policy.validate()?;
-        let maps = PolicyMaps::open(&self.pin_root)?;
+        let maps = match self.maps.borrow_mut().take() {
+            Some(m) => m,
+            None => PolicyMaps::open(&self.pin_root)?,
+        };
         let ns = self.open_netns(netns)?;
         enroll::enroll_netns(
             &self.pin_root,
@@ -104,19 +124,38 @@ impl Dataplane for Pinned {
         )
     }
 
-    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
-        let enrolled = match PolicyMaps::open(&self.pin_root) {
-            // Also without a pod entry: a DEL killed after removing it left the pod's rules.
-            Ok(_) => true,
-            // The maps are gone, but a tc link pinned by an interrupted unload may not be.
-            Err(MapsError::NotLoaded(_)) => false,
-            Err(e) => return Err(e.into()),
+    fn is_enrolled(&self, cookie: u64) -> bool {
+        let Ok(maps) = PolicyMaps::open(&self.pin_root) else {
+            return true;
         };
-        if !enrolled {
-            tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
-            return Ok(false);
+        let enrolled = maps.is_enrolled(cookie).unwrap_or_else(|e| {
+            tracing::debug!("netns cookie {cookie}: {e}");
+            true
+        });
+        *self.maps.borrow_mut() = Some(maps);
+        enrolled
+    }
+
+    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
+        match self.open_for_unenrol(cookie)? {
+            Some(mut maps) => {
+                let was = enroll::unenroll_cookie(&mut maps, cookie)?;
+                tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                Ok(was)
+            }
+            None => Ok(false),
         }
-        enroll::unenroll_by_cookie(&self.pin_root, cookie)
+    }
+
+    fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError> {
+        match self.open_for_unenrol(cookie)? {
+            Some(mut maps) => {
+                let was = enroll::unenroll_recorded(&mut maps, cookie, recorded)?;
+                tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                Ok(was)
+            }
+            None => Ok(false),
+        }
     }
 
     fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError> {
@@ -152,6 +191,22 @@ impl Dataplane for Pinned {
         sidestep::agent::pods::pod_addresses(netns)
             .map(|a| a.ips.into_iter().map(|(ip, _)| ip).collect())
             .unwrap_or_default()
+    }
+}
+
+impl Pinned {
+    /// The maps, or `None` when the programs are not loaded, after detaching the pod's links: a
+    /// tc link pinned by an interrupted unload may outlive the maps.
+    fn open_for_unenrol(&self, cookie: u64) -> Result<Option<PolicyMaps>, EnrollError> {
+        match PolicyMaps::open(&self.pin_root) {
+            // Also without a pod entry: a DEL killed after removing it left the pod's rules.
+            Ok(maps) => Ok(Some(maps)),
+            Err(MapsError::NotLoaded(_)) => {
+                tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

@@ -15,6 +15,40 @@
 //! A record that does not decode (truncated, garbage, an unknown format, a directory in its
 //! place) is reported by path; [`salvage_cookie`] still finds its netns cookie when the text
 //! holds one, and [`StateDir::remove_record`] moves a directory aside instead of failing.
+//!
+//! ## The netns-cookie index
+//!
+//! Whether another attachment uses the same netns (DEL must not unenrol a netns that keeps an
+//! interface on a sidestep network) is answered by listing one small directory instead of
+//! reading every record ([`sidestep::stateindex`]):
+//!
+//! ```text
+//! <state_dir>/cookies/<netns cookie>/<containerID>@<ifname>   empty file: that record names the cookie
+//! <state_dir>/cookies/<netns cookie>/incomplete               a plugin without the index may have enrolled it
+//! <state_dir>/cookies/<netns cookie>/shared                   no one record says what the maps hold
+//! ```
+//! Listings of records skip it (it is a directory, not a `.json` file), so older plugins and
+//! agents ignore it. Its rules, each safe to be killed after:
+//! - ADD makes its entry before the pending record, so the entries are a superset of the
+//!   records naming the cookie; DEL, GC and the agent remove an entry after its record. An entry
+//!   counts only when its record exists and names the cookie (a stale one is ignored).
+//! - ADD marks the cookie `incomplete` when it finds the netns enrolled already and no entry
+//!   (but its own from an earlier ADD of the same attachment) explains it: a plugin of the
+//!   previous version, which wrote records but no index, enrolled it. Such a cookie, one with no
+//!   directory, or a query whose own entry is missing (its record is older than the index) is
+//!   answered by reading every record, as before the index.
+//! - ADD marks the cookie `shared` when another entry is there (the maps then hold what the
+//!   last ADD wrote), and when it fails after finding the netns enrolled (a re-enrolment may
+//!   have stopped half-way): no single record describes the maps, so the last DEL scans them
+//!   ([`sidestep::enroll::unenroll_cookie`]) instead of deleting its record's keys.
+//! - The markers go with the last entry, when the DEL that leaves no record naming the cookie
+//!   removes it; GC sweeps entries and directories that crashes left.
+//!
+//! What the index cannot see: an attachment that a plugin without the index ADDs to a netns
+//! after this one indexed it (a downgrade, then an upgrade, while the pod lives). Its record
+//! names the cookie with no entry and no marker, so the last indexed attachment's DEL would
+//! unenrol the netns under it. Deleting `cookies/` after a downgrade (it is only a cache of the
+//! records) makes every such DEL read the records again.
 
 use std::{
     fs::{self, DirBuilder, OpenOptions},
@@ -28,6 +62,9 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sidestep::policy::Policy;
 
 use crate::spec::{CniError, code, error::ToCniError};
+
+mod index;
+pub use index::Sharing;
 
 pub const RECORD_FORMAT: u32 = 1;
 
@@ -43,6 +80,10 @@ pub struct AttachmentRecord {
     pub netns_cookie: u64,
     /// Interfaces that carry the inbound tc program.
     pub interfaces: Vec<String>,
+    /// Their ifindexes inside the pod, as enrolment keyed them in `SIDESTEP_IFACES`. Absent in
+    /// pending records and in records of older plugins (DEL then finds the keys by a scan).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inbound_ifindexes: Option<Vec<u32>>,
     pub pod_name: Option<String>,
     pub pod_namespace: Option<String>,
     pub mesh: String,
@@ -82,6 +123,8 @@ pub enum StateError {
     Corrupt { path: PathBuf, reason: String },
     #[error("cannot remove {path}: {source}")]
     Remove { path: PathBuf, source: io::Error },
+    #[error("cannot update the netns-cookie index {path}: {source}")]
+    Index { path: PathBuf, source: io::Error },
 }
 
 impl ToCniError for StateError {
@@ -366,6 +409,7 @@ mod tests {
             netns: "/run/netns/x".into(),
             netns_cookie: 42,
             interfaces: vec!["eth0".into()],
+            inbound_ifindexes: Some(vec![2]),
             pod_name: Some("web".into()),
             pod_namespace: Some("default".into()),
             mesh: "istio".into(),

@@ -215,7 +215,13 @@ impl Plugin {
         tree(&self.state, &self.state, &mut files);
         files.retain(|f| !f.starts_with("timings"));
         files.sort();
-        let pending = std::fs::read(self.state.join(files.first().cloned().unwrap_or_default()))
+        // The record, not the netns-cookie index entries under cookies/.
+        let record = files
+            .iter()
+            .find(|f| f.ends_with(".json") && !f.contains('/'))
+            .cloned()
+            .unwrap_or_default();
+        let pending = std::fs::read(self.state.join(record))
             .ok()
             .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
             .is_some_and(|v| v["pending"] == true);

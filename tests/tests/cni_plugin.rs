@@ -92,7 +92,16 @@ fn lifecycle() -> Result<()> {
             "links {:?}",
             sb.pod_links()
         );
-        ensure!(sb.state_files().len() == 1);
+        // The record, and its entry in the netns-cookie index.
+        let files: Vec<String> = sb.state_files().into_keys().collect();
+        ensure!(
+            files
+                == [
+                    "c1@eth0.json".to_owned(),
+                    format!("cookies/{cookie}/c1@eth0")
+                ],
+            "{files:?}"
+        );
     }
     let rec_path = sb.state_dir().join("c1@eth0.json");
     ensure!(fs::metadata(&rec_path)?.permissions().mode() & 0o777 == 0o600);
@@ -146,7 +155,14 @@ fn lifecycle() -> Result<()> {
         "after GC: {:?}",
         sb.pods()?
     );
-    ensure!(sb.state_files().keys().eq(["keep@eth0.json"]));
+    let keep = format!("cookies/{}/keep@eth0", netns::cookie(&b)?);
+    ensure!(
+        sb.state_files()
+            .keys()
+            .eq([keep.as_str(), "keep@eth0.json"]),
+        "{:?}",
+        sb.state_files().keys()
+    );
 
     // inbound_hook tc: a TCX link on eth0 beside the netns's sk_lookup link, and CHECK
     // verifies both.

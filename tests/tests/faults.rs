@@ -5,13 +5,17 @@
 //! - The plugin is SIGKILLed at each named step of ADD and DEL (`SIDESTEP_FAILPOINT`, see
 //!   `sidestep::sys::failpoint`). After each kill the runtime's retry (ADD again, or DEL) must
 //!   leave the pod exactly as a clean ADD does (captured) or exactly as before it (released):
-//!   the same map entries, pinned links, kernel links and state files.
+//!   the same map entries, pinned links, kernel links and state files (the netns-cookie index
+//!   included).
 //! - Damaged records (truncated, garbage, empty, unknown format, a directory in their place):
 //!   DEL exits 0, names the file, and still removes the pod from the kernel; ADD replaces them.
+//! - DEL removes exactly its pod's map entries, and none of another pod's: by its record's keys,
+//!   and by a scan of the maps when the record is gone or older than the netns-cookie index.
 //! - An upgrade moves each pod's tc and sk_lookup links to the new programs, and a pinned map
 //!   whose layout changed stops the load with an error naming it, before anything changes.
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -25,7 +29,8 @@ use sidestep_tests::{
     skip_unless_root,
 };
 
-const ADD_POINTS: [&str; 7] = [
+const ADD_POINTS: [&str; 8] = [
+    "add:after-index",
     "state:before-rename",
     "add:after-pending",
     "enroll:before-pod-entry",
@@ -35,10 +40,11 @@ const ADD_POINTS: [&str; 7] = [
     "add:after-record",
 ];
 
-const DEL_POINTS: [&str; 3] = [
+const DEL_POINTS: [&str; 4] = [
     "del:before-unenroll",
     "unenroll:after-pod-entry",
     "del:after-unenroll",
+    "del:after-record",
 ];
 
 fn pod_options() -> PodOptions {
@@ -82,7 +88,9 @@ fn plugin_killed_at_each_step_of_add_and_del_converges() -> Result<()> {
     ensure!(
         captured.maps["SIDESTEP_POD"] == released.maps["SIDESTEP_POD"] + 1
             && captured.pod_link_pins.len() > released.pod_link_pins.len()
-            && captured.files.len() == 1
+            // The record and its netns-cookie index entry.
+            && captured.files.len() == 2
+            && captured.files.iter().any(|f| f == &format!("cookies/{}/{}@eth0", pod.netns_cookie().unwrap_or(0), pod.container_id))
             && !captured.pending,
         "a clean ADD did not enrol the pod: {captured:?}"
     );
@@ -104,7 +112,7 @@ fn plugin_killed_at_each_step_of_add_and_del_converges() -> Result<()> {
     for point in ADD_POINTS {
         s.plugin.killed("ADD", &pod, point)?;
         let after_kill = s.plugin.snapshot()?;
-        if point != "state:before-rename" {
+        if !matches!(point, "add:after-index" | "state:before-rename") {
             // From the first map write on, a record names the cookie.
             ensure!(
                 after_kill.files.iter().any(|f| !f.starts_with('.')),
@@ -335,5 +343,79 @@ fn upgrade_moves_pod_links_and_refuses_a_changed_map_layout() -> Result<()> {
             && link_prog(&tc_link)? == tc_after,
         "the refused load changed the attachments"
     );
+    Ok(())
+}
+
+/// Every entry of the per-pod maps, as bpftool prints it.
+fn map_contents(p: &Plugin) -> Result<BTreeMap<&'static str, Vec<String>>> {
+    let mut out = BTreeMap::new();
+    for m in sidestep_tests::faults::POD_MAPS {
+        let path = p.pin_root.join("maps").join(m).display().to_string();
+        let mut v: Vec<String> = bpftool(&["map", "dump", "pinned", &path])?
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(Value::to_string)
+            .collect();
+        v.sort();
+        out.insert(m, v);
+    }
+    Ok(out)
+}
+
+#[test]
+fn del_removes_exactly_its_pods_keys_by_record_and_by_scan() -> Result<()> {
+    if skip_unless_root("del_removes_exactly_its_pods_keys_by_record_and_by_scan") {
+        return Ok(());
+    }
+    let s = setup("faults-del-keys")?;
+    let other = s.node.add_pod_with("other", pod_options())?;
+    let pod = s.node.add_pod_with("app", pod_options())?;
+    let released = map_contents(&s.plugin)?;
+    s.plugin.ok("ADD", &other)?;
+    let only_other = map_contents(&s.plugin)?;
+    ensure!(only_other != released, "ADD wrote nothing");
+
+    // With its record: the record's keys, and nothing of the other pod's.
+    s.plugin.ok("ADD", &pod)?;
+    let out = s.plugin.ok("DEL", &pod)?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    ensure!(log.contains("by its record's keys"), "{log}");
+    ensure!(
+        map_contents(&s.plugin)? == only_other,
+        "DEL by the record's keys left or took entries"
+    );
+
+    // Lost state (no record, no index): the netns names the cookie, and the scan finds all.
+    s.plugin.ok("ADD", &pod)?;
+    std::fs::remove_file(s.plugin.record_path(&pod))?;
+    std::fs::remove_dir_all(s.plugin.state.join("cookies"))?;
+    let out = s.plugin.ok("DEL", &pod)?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    ensure!(log.contains("by scanning the maps"), "{log}");
+    ensure!(
+        map_contents(&s.plugin)? == only_other,
+        "DEL by a scan left or took entries"
+    );
+
+    // A record older than the index (no entry, no ifindexes): counted and removed by the scans.
+    s.plugin.ok("ADD", &pod)?;
+    let path = s.plugin.record_path(&pod);
+    let mut rec: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    rec.as_object_mut()
+        .context("record")?
+        .remove("inboundIfindexes");
+    std::fs::write(&path, rec.to_string())?;
+    std::fs::remove_dir_all(s.plugin.state.join("cookies"))?;
+    let out = s.plugin.ok("DEL", &pod)?;
+    ensure!(
+        String::from_utf8_lossy(&out.stderr).contains("by scanning the maps"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(map_contents(&s.plugin)? == only_other);
+
+    s.plugin.ok("DEL", &other)?;
+    ensure!(map_contents(&s.plugin)? == released);
     Ok(())
 }

@@ -10,6 +10,7 @@ pub mod mounts;
 pub mod netns;
 pub mod pins;
 pub mod policy;
+pub mod stateindex;
 pub mod status;
 pub mod sys;
 pub mod tc;

@@ -99,6 +99,18 @@ impl PolicyMaps {
         v
     }
 
+    /// Whether the cookie has a pod entry.
+    pub fn is_enrolled(&self, netns_cookie: u64) -> Result<bool, MapsError> {
+        match self.pods.get(&netns_cookie, 0) {
+            Ok(_) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            Err(source) => Err(MapsError::Access {
+                map: map_names::POD_POLICY,
+                source,
+            }),
+        }
+    }
+
     /// The pod's counters summed over CPUs; zero when the pod has none.
     pub fn counters(&self, netns_cookie: u64) -> Counters {
         let mut total = Counters::default();

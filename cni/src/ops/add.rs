@@ -4,17 +4,18 @@
 //! Every step is safe to be killed after: the pending record written before the first map
 //! write names the netns cookie, so DEL (even with the netns gone), GC and the agent's
 //! reconcile undo a half-done ADD, and a repeated ADD finishes it (enrolment is idempotent).
-//! The `add:*` failpoints ([`sidestep::sys::failpoint`]) sit between the steps.
+//! The `add:*` failpoints ([`sidestep::sys::failpoint`]) sit between the steps. The record's
+//! netns-cookie index entry goes in before the pending record (see [`crate::state`]).
 
 use std::collections::BTreeSet;
 
 use serde_json::Value;
 
 use super::{
-    Ctx, Resolved, Uncaptured, args_label, others_sharing, pod_label, require_loaded, resolve,
-    uncaptured,
+    Ctx, Resolved, Uncaptured, args_label, pod_label, require_loaded, resolve, uncaptured,
 };
 use sidestep::{
+    error::EnrollError,
     policy::{InboundHook, Policy},
     sys::failpoint,
 };
@@ -100,17 +101,42 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         policy,
         pin_root: ctx.dp.pin_root().to_path_buf(),
         created_unix: now_unix(),
+        inbound_ifindexes: None,
         pending: false,
         writer_pid: None,
     };
+    // Enrolment would refuse it too, but only after the index entry: a refused input leaves
+    // nothing, not even a marker.
+    if let Err(e) = record.policy.validate() {
+        return Err(EnrollError::from(e).to_cni());
+    }
+    let previous_cookie = previous.as_ref().map(|p| p.netns_cookie);
+    let enrolled_before = ctx.dp.is_enrolled(cookie);
+    if let Err(e) = ctx
+        .state
+        .index_attachment(cookie, cid, ifname, enrolled_before)
+    {
+        return fail(e.to_cni());
+    }
+    // A failed re-enrolment may leave part of its policy beside the earlier one, which then no
+    // record describes: the cookie's last DEL must scan the maps.
+    let unexact = || {
+        if enrolled_before && let Err(e) = ctx.state.mark_unexact(cookie) {
+            tracing::warn!("{who}: {e}");
+        }
+    };
+    failpoint("add:after-index");
     if let Err(e) = ctx.state.write_pending(&record) {
+        unindex_failed(ctx, cookie, previous_cookie, &who);
         return fail(e.to_cni());
     }
     failpoint("add:after-pending");
     let enrolled = match ctx.dp.enroll(netns, &record.policy, ifname) {
         Ok(e) => e,
         Err(e) => {
+            unexact();
             restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
+            unindex_failed(ctx, cookie, previous_cookie, &who);
             let err = e.to_cni();
             // Refusals of the input are not outages; FAIL_OPEN does not cover them.
             if matches!(err.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
@@ -122,33 +148,40 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     failpoint("add:after-enroll");
     record.netns_cookie = enrolled.netns_cookie;
     record.interfaces = enrolled.interfaces.clone();
+    record.inbound_ifindexes = Some(enrolled.inbound_ifindexes.clone());
     if let Err(e) = ctx.state.write_record(&record) {
+        unexact();
         // Keep an enrolment an earlier ADD of this attachment recorded; undo only ours.
         let ours = previous
             .as_ref()
             .is_none_or(|p| p.netns_cookie != enrolled.netns_cookie);
         if ours
-            && others_sharing(
-                &ctx.state,
-                enrolled.netns_cookie,
-                cid,
-                ifname,
-                &BTreeSet::new(),
-            ) == 0
+            && ctx
+                .state
+                .sharing(enrolled.netns_cookie, cid, ifname, &BTreeSet::new())
+                .others
+                == 0
             && let Err(u) = ctx.dp.unenroll(enrolled.netns_cookie)
         {
             tracing::error!("{who}: rolling back the enrolment failed: {u}");
         }
         restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
+        unindex_failed(ctx, cookie, previous_cookie, &who);
         return fail(e.to_cni());
     }
     failpoint("add:after-record");
-    if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie)
-        && others_sharing(&ctx.state, p.netns_cookie, cid, ifname, &BTreeSet::new()) == 0
-    {
+    if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie) {
         // The same attachment in a new netns: the old one is no longer ours.
-        if let Err(e) = ctx.dp.unenroll(p.netns_cookie) {
+        let last = ctx
+            .state
+            .sharing(p.netns_cookie, cid, ifname, &BTreeSet::new())
+            .others
+            == 0;
+        if last && let Err(e) = ctx.dp.unenroll(p.netns_cookie) {
             tracing::warn!("{who}: removing the enrolment of its previous netns failed: {e}");
+        }
+        if let Err(e) = ctx.state.unindex(p.netns_cookie, cid, ifname, last) {
+            tracing::warn!("{who}: {e}; GC removes the entry later");
         }
     }
     let _ = ctx.state.remove_marker(cid, ifname);
@@ -213,6 +246,17 @@ fn inbound_hook(ctx: &Ctx<'_>, netns: &std::path::Path, policy: &Policy, who: &s
                 "{who}: cannot tell whether the proxy listens already ({e}); inbound through tc"
             );
             InboundHook::Tc
+        }
+    }
+}
+
+/// After a failed ADD: its index entry goes unless the attachment's earlier record (put back)
+/// names the same cookie. Markers stay: they describe the netns, not this attachment.
+fn unindex_failed(ctx: &Ctx<'_>, cookie: u64, previous_cookie: Option<u64>, who: &str) {
+    if previous_cookie != Some(cookie) {
+        let (cid, ifname) = ctx.env.attachment();
+        if let Err(e) = ctx.state.unindex(cookie, cid, ifname, false) {
+            tracing::warn!("{who}: {e}; GC removes the entry later");
         }
     }
 }

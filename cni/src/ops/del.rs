@@ -2,14 +2,21 @@
 //! that a pod can always be deleted (also after sidestep was uninstalled).
 //!
 //! Killed between any two steps (the `del:*` failpoints), a repeated DEL finishes: the record
-//! goes last, so its cookie is there for the retry. A record that no longer decodes is reported
-//! by path, and its cookie comes from the netns or, when that is gone, from the record's text.
+//! goes after the enrolment, so its cookie is there for the retry, and the record's index entry
+//! after the record (a stale entry is ignored, and the retry or GC removes it). A record that no
+//! longer decodes is reported by path, and its cookie comes from the netns or, when that is gone,
+//! from the record's text.
+//!
+//! A complete record of a netns no other attachment enrolled says which keys its ADD wrote, and
+//! DEL deletes those (a cost that does not grow with the node's pods). Without one (no record, a
+//! damaged or pending one, a shared netns, an index that does not vouch for it) DEL scans every
+//! map for the cookie, as it always did.
 
 use std::collections::BTreeSet;
 
-use sidestep::sys::failpoint;
+use sidestep::{enroll::Recorded, sys::failpoint};
 
-use super::{Ctx, others_sharing};
+use super::Ctx;
 use crate::{
     spec::{CniError, code},
     state::salvage_cookie,
@@ -50,15 +57,38 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
         );
     }
     failpoint("del:before-unenroll");
+    // Whether no record names the cookie once ours is gone (so its index markers can go).
+    let mut last = false;
     if let Some(cookie) = cookie {
-        if others_sharing(&ctx.state, cookie, cid, ifname, &BTreeSet::new()) > 0 {
+        let sharing = ctx.state.sharing(cookie, cid, ifname, &BTreeSet::new());
+        if sharing.others > 0 {
             tracing::info!(
                 "DEL {cid}/{ifname}: netns cookie {cookie} stays enrolled for its other interfaces"
             );
         } else {
-            match ctx.dp.unenroll(cookie) {
+            last = true;
+            // A pending record's ADD may have been a re-enrolment that stopped half-way, with
+            // the old policy's keys still in the maps: only a finished one is exact.
+            let exact = record
+                .as_ref()
+                .filter(|r| sharing.sole && !r.pending && r.netns_cookie == cookie);
+            let (result, how) = match exact {
+                Some(r) => (
+                    ctx.dp.unenroll_recorded(
+                        cookie,
+                        &Recorded {
+                            policy: &r.policy,
+                            inbound_ifindexes: r.inbound_ifindexes.as_deref(),
+                        },
+                    ),
+                    "by its record's keys",
+                ),
+                None => (ctx.dp.unenroll(cookie), "by scanning the maps"),
+            };
+            match result {
                 Ok(was) => tracing::info!(
-                    "DEL {cid}/{ifname}: netns cookie {cookie} unenrolled (was enrolled: {was})"
+                    "DEL {cid}/{ifname}: netns cookie {cookie} unenrolled {how} (was enrolled: \
+                     {was})"
                 ),
                 // Keep the record: a retried DEL needs its cookie.
                 Err(e) => {
@@ -76,5 +106,12 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
     };
     remove(ctx.state.remove_record(cid, ifname))?;
     remove(ctx.state.remove_marker(cid, ifname))?;
+    failpoint("del:after-record");
+    // A stale entry is harmless (an entry counts only with its record), so this cannot fail DEL.
+    if let Some(cookie) = cookie
+        && let Err(e) = ctx.state.unindex(cookie, cid, ifname, last)
+    {
+        tracing::warn!("DEL {cid}/{ifname}: {e}; GC removes the entry later");
+    }
     Ok(())
 }

@@ -1,9 +1,11 @@
-//! GC (CNI 1.1): remove every attachment of this network that the runtime no longer lists.
-//! Errors do not stop it; they are reported together at the end, as the spec asks.
+//! GC (CNI 1.1): remove every attachment of this network that the runtime no longer lists, with
+//! its netns-cookie index entry, and sweep the index of what crashes left (entries without a
+//! record, directories no record needs). Errors do not stop it; they are reported together at
+//! the end, as the spec asks.
 
 use std::{collections::BTreeSet, path::Path};
 
-use super::{Ctx, others_sharing};
+use super::Ctx;
 use crate::spec::{CniError, code};
 
 /// `(containerID, ifname)` from a state file name, for files that no longer decode.
@@ -23,6 +25,8 @@ pub fn gc(ctx: &Ctx<'_>) -> Result<(), CniError> {
         .collect();
     let mut errors = Vec::new();
     let mut removed = BTreeSet::new();
+    // The cookies of the records that stay, for the index sweep.
+    let mut named = BTreeSet::new();
     for (path, record) in ctx.state.records() {
         let r = match record {
             Ok(r) => r,
@@ -32,24 +36,26 @@ pub fn gc(ctx: &Ctx<'_>) -> Result<(), CniError> {
                     if let Err(e) = ctx.state.remove_path(&path) {
                         errors.push(e.to_string());
                     }
+                } else {
+                    named.extend(crate::state::salvage_cookie(&path));
                 }
                 continue;
             }
         };
         let key = (r.container_id.clone(), r.ifname.clone());
         if r.network != ctx.cfg.name || valid.contains(&key) {
+            named.insert(r.netns_cookie);
             continue;
         }
         removed.insert(key);
-        if others_sharing(
-            &ctx.state,
-            r.netns_cookie,
-            &r.container_id,
-            &r.ifname,
-            &removed,
-        ) == 0
-            && let Err(e) = ctx.dp.unenroll(r.netns_cookie)
-        {
+        let last = ctx
+            .state
+            .sharing(r.netns_cookie, &r.container_id, &r.ifname, &removed)
+            .others
+            == 0;
+        // The scan, not the record's keys: GC is the safety net for whatever DEL missed.
+        if last && let Err(e) = ctx.dp.unenroll(r.netns_cookie) {
+            named.insert(r.netns_cookie);
             errors.push(format!(
                 "{}/{} (netns cookie {}): {e}",
                 r.container_id, r.ifname, r.netns_cookie
@@ -62,9 +68,18 @@ pub fn gc(ctx: &Ctx<'_>) -> Result<(), CniError> {
             r.ifname
         );
         if let Err(e) = ctx.state.remove_path(&path) {
+            named.insert(r.netns_cookie);
+            errors.push(e.to_string());
+            continue;
+        }
+        if let Err(e) = ctx
+            .state
+            .unindex(r.netns_cookie, &r.container_id, &r.ifname, last)
+        {
             errors.push(e.to_string());
         }
     }
+    errors.extend(ctx.state.sweep_index(&named));
     for (path, marker) in ctx.state.markers() {
         let stale = match &marker {
             Ok(m) => {

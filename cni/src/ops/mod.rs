@@ -6,8 +6,6 @@ mod check;
 mod del;
 mod gc;
 
-use std::collections::BTreeSet;
-
 pub use add::add;
 pub use check::check;
 pub use del::del;
@@ -136,25 +134,6 @@ pub(crate) fn require_loaded(ctx: &Ctx<'_>) -> Result<(), CniError> {
     } else {
         Err(not_loaded(ctx.dp.pin_root()))
     }
-}
-
-/// Attachments of this state directory, other than `(cid, ifname)`, that use `cookie`. A netns
-/// with two interfaces on sidestep networks stays enrolled until its last one goes.
-pub(crate) fn others_sharing(
-    state: &StateDir,
-    cookie: u64,
-    cid: &str,
-    ifname: &str,
-    ignore: &BTreeSet<(String, String)>,
-) -> usize {
-    state
-        .records()
-        .into_iter()
-        .filter_map(|(_, r)| r.ok())
-        .filter(|r| r.netns_cookie == cookie)
-        .filter(|r| !(r.container_id == cid && r.ifname == ifname))
-        .filter(|r| !ignore.contains(&(r.container_id.clone(), r.ifname.clone())))
-        .count()
 }
 
 #[cfg(test)]

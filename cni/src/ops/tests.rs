@@ -10,7 +10,7 @@ use std::{
 
 use serde_json::{Value, json};
 use sidestep::{
-    enroll::Enrolled,
+    enroll::{Enrolled, Recorded},
     error::{EnrollError, MapsError, NetnsError},
     policy::Policy,
 };
@@ -35,6 +35,8 @@ struct World {
     listening: RefCell<Vec<u16>>,
     /// What every netns reports as its addresses.
     addresses: RefCell<Vec<std::net::IpAddr>>,
+    /// Each unenrolment: the cookie, and whether it deleted a record's keys (or scanned).
+    unenrolments: RefCell<Vec<(u64, bool)>>,
 }
 
 struct Fake(Rc<World>, PathBuf);
@@ -81,9 +83,20 @@ impl Dataplane for Fake {
             netns_cookie: cookie,
             entries: policy.to_map_entries(cookie),
             interfaces: vec![ifname.to_owned()],
+            inbound_ifindexes: vec![2],
         })
     }
+    fn is_enrolled(&self, cookie: u64) -> bool {
+        self.0.pods.borrow().contains_key(&cookie)
+    }
     fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
+        self.0.unenrolments.borrow_mut().push((cookie, false));
+        self.0.links.borrow_mut().remove(&cookie);
+        Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
+    }
+    fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError> {
+        assert_eq!(recorded.inbound_ifindexes, Some(&[2][..]));
+        self.0.unenrolments.borrow_mut().push((cookie, true));
         self.0.links.borrow_mut().remove(&cookie);
         Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
     }
@@ -663,3 +676,5 @@ fn sk_lookup_falls_back_to_tc_where_it_cannot_work() {
     );
     assert_eq!(hook(&h), InboundHook::SkLookup);
 }
+
+mod index;

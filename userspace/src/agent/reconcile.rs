@@ -2,7 +2,8 @@
 //!
 //! - **GC.** A record whose netns is gone (no live netns has its cookie, and its netns path is
 //!   gone or names another netns) lost its DEL: its enrolment and per-pod links are removed
-//!   (`unenroll_by_cookie`) and then the record. When the agent cannot tell (the path's
+//!   (`unenroll_by_cookie`) and then the record, and the record's entry in the plugin's
+//!   netns-cookie index ([`crate::stateindex`]). When the agent cannot tell (the path's
 //!   directory is not mounted into it, an open fails otherwise), nothing is collected.
 //! - **Never enrolled.** A live pod netns whose cookie is not in the pod map is reported (log,
 //!   `/metrics`, `/readyz` body): typically a pod that started before the agent was ready. The
@@ -251,6 +252,7 @@ fn undo_dead_add(
             path: path.to_path_buf(),
             source,
         })?;
+        unindex(s, record, !shared);
     }
     tracing::warn!(
         pod = %pod_label(record),
@@ -260,6 +262,24 @@ fn undo_dead_add(
         "undid a half-done ADD (its plugin died before finishing); the runtime's retry enrols the pod"
     );
     Ok(true)
+}
+
+/// Removes a removed record's entry from the plugin's netns-cookie index
+/// ([`crate::stateindex`]), with the cookie's markers when `last`. A stale entry only costs a
+/// lookup (an entry counts with its record), and the plugin's GC sweeps it: a warning.
+fn unindex(s: &Settings, record: &Record, last: bool) {
+    if let Err(e) = crate::stateindex::Index::new(&s.state_dir).remove(
+        record.netns_cookie,
+        &record.container_id,
+        &record.ifname,
+        last,
+    ) {
+        tracing::warn!(
+            netns_cookie = record.netns_cookie,
+            error = %e,
+            "cannot remove the record's entry from the netns-cookie index"
+        );
+    }
 }
 
 /// Enrols a recorded pod again, as its ADD did, after the data path was reloaded.
@@ -399,7 +419,11 @@ pub fn reconcile(
                         source: e,
                     })
                 }
-                _ => Ok(was),
+                _ => {
+                    // The netns is gone, so every attachment of it is: the markers can go.
+                    unindex(s, record, true);
+                    Ok(was)
+                }
             }
         });
         match done {

@@ -67,9 +67,15 @@ impl std::fmt::Display for Removed {
     }
 }
 
-/// Removes the JSON records and FAIL_OPEN markers of the state directory, then the directories
-/// if nothing else is in them.
+/// Removes the JSON records, FAIL_OPEN markers and netns-cookie index of the state directory,
+/// then the directories if nothing else is in them.
 fn remove_records(dir: &std::path::Path) -> Result<usize, UninstallError> {
+    // The netns-cookie index describes the records, which all go.
+    let index = crate::stateindex::Index::new(dir);
+    index.remove_all().map_err(|source| UninstallError::State {
+        path: index.dir().to_path_buf(),
+        source,
+    })?;
     let mut n = 0;
     for d in [dir.join("failopen"), dir.to_path_buf()] {
         let Ok(entries) = fs::read_dir(&d) else {

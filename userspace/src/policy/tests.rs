@@ -132,3 +132,22 @@ fn pod_ips_become_address_entries() {
     assert_eq!(e.addresses[1][3], u32::from_ne_bytes([0, 0, 0, 7]));
     assert_ne!(e.pod.flags & flags::OUTBOUND_ALL_RANGES, 0);
 }
+
+/// DEL deletes the keys a record's policy makes (enroll::unenroll_recorded), so a policy read
+/// back from its record must make exactly the keys the enrolment wrote.
+#[test]
+fn a_recorded_policy_makes_the_same_map_entries() {
+    let p: Policy = serde_json::from_str(
+        r#"{"includeOutboundIPRanges":"10.0.0.0/8,10.1.0.0/16,fd00::/8",
+            "excludeOutboundIPRanges":"192.168.0.0/16","includeOutboundPorts":"80,443",
+            "excludeOutboundPorts":"22","includeInboundPorts":"8080,9090",
+            "excludeInboundPorts":"9090","podIPs":["10.1.2.3","fd00::3"],"hairpin":false,
+            "dnsCapture":true,"interceptionMode":"TPROXY","inboundHook":"sk_lookup",
+            "rerouteVirtualInterfaces":["vm0"]}"#,
+    )
+    .unwrap();
+    for p in [p, Policy::default()] {
+        let back: Policy = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back.to_map_entries(7), p.to_map_entries(7));
+    }
+}

@@ -1,0 +1,310 @@
+//! Unenrolment: a pod's entries leave the maps, the pod entry first (so the programs stop
+//! looking at its rules before they go), then its links.
+//!
+//! Two ways to find the keys:
+//! - [`unenroll_cookie`] scans every per-pod map for the cookie. One bpf(2) call per key of
+//!   every pod, so its cost grows with the node; it is the safety net for callers that do not
+//!   know what was written (a lost or damaged record, the agent's GC, `sidestep unenroll`).
+//! - [`unenroll_recorded`] deletes the keys a recorded enrolment wrote, computed from the
+//!   recorded policy by the same [`Policy::to_map_entries`] the enrolment used, so the two
+//!   cannot disagree: a constant number of calls per pod.
+//!
+//! A key already gone is not an error (an interrupted unenrolment removed it, or the enrolment
+//! never got that far). Any other failure to delete is reported, after every other key was
+//! tried: the entry stays behind, and the caller's retry finds it.
+
+use std::path::Path;
+
+use aya::maps::{MapError, lpm_trie::Key};
+use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, flags, map_names};
+
+use super::reroute_names;
+use crate::{
+    error::{EnrollError, MapsError},
+    maps::{PolicyMaps, classify},
+    netns::Netns,
+    pins::PinLayout,
+    policy::Policy,
+    tc, tproxy,
+};
+
+/// What a caller recorded of an enrolment: enough to delete exactly its keys.
+#[derive(Debug, Clone, Copy)]
+pub struct Recorded<'a> {
+    /// The policy the enrolment was given.
+    pub policy: &'a Policy,
+    /// [`super::Enrolled::inbound_ifindexes`]; `None` when the caller does not know them (a
+    /// record written before they were recorded), and the interface map is scanned for them.
+    pub inbound_ifindexes: Option<&'a [u32]>,
+}
+
+/// Deleted, or already gone: `Ok(true)` / `Ok(false)`.
+fn deleted(map: &'static str, result: Result<(), MapError>) -> Result<bool, MapsError> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(MapError::KeyNotFound) => Ok(false),
+        // aya reports a missing key on delete as the syscall's ENOENT.
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(false)
+        }
+        Err(e) => Err(classify(map, 0, e)),
+    }
+}
+
+/// Keeps the first error of a sequence of deletions that goes on after one fails.
+#[derive(Default)]
+struct FirstError(Option<MapsError>);
+
+impl FirstError {
+    fn note<T>(&mut self, r: Result<T, MapsError>) {
+        if let Err(e) = r
+            && self.0.is_none()
+        {
+            self.0 = Some(e);
+        }
+    }
+
+    fn into_result(self) -> Result<(), MapsError> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+/// Removes the cookie's addresses except `keep` (a scan of the address map).
+pub(super) fn remove_addresses(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    keep: &[[u32; 4]],
+) -> Result<(), MapsError> {
+    let stale: Vec<[u32; 4]> = maps
+        .addresses
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(addr, cookie)| *cookie == netns_cookie && !keep.contains(addr))
+        .map(|(addr, _)| addr)
+        .collect();
+    let mut first = FirstError::default();
+    for addr in stale {
+        first.note(deleted(
+            map_names::POD_ADDRESSES,
+            maps.addresses.remove(&addr),
+        ));
+    }
+    first.into_result()
+}
+
+/// Removes the cookie's re-routed interfaces except `keep`, and, when it had some and none is
+/// kept, the connections they DNATed and their unclaimed hand-overs in `SIDESTEP_PEND` (a SYN
+/// refused for want of a listener leaves one). A pod that never had one costs no LRU scan.
+pub(super) fn remove_reroute(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    keep: &[RerouteIfKey],
+) -> Result<(), MapsError> {
+    let stale: Vec<RerouteIfKey> = maps
+        .reroute_ifaces
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| v.netns_cookie == netns_cookie && !keep.contains(k))
+        .map(|(k, _)| k)
+        .collect();
+    let had_some = !stale.is_empty() || !keep.is_empty();
+    let mut first = FirstError::default();
+    for key in stale {
+        first.note(deleted(
+            map_names::REROUTE_IFACES,
+            maps.reroute_ifaces.remove(&key),
+        ));
+    }
+    if had_some && keep.is_empty() {
+        let conns: Vec<_> = maps
+            .reroute_nat
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.netns_cookie == netns_cookie)
+            .collect();
+        for key in conns {
+            first.note(deleted(
+                map_names::REROUTE_NAT,
+                maps.reroute_nat.remove(&key),
+            ));
+        }
+        if let Ok(mut pending) = maps.pending() {
+            let stale: Vec<_> = pending
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(k, v)| {
+                    k.netns_cookie == netns_cookie && v.kind == sidestep_abi::redirect_kind::REROUTE
+                })
+                .map(|(k, _)| k)
+                .collect();
+            for key in stale {
+                first.note(deleted(map_names::PENDING_ORIG_DST, pending.remove(&key)));
+            }
+        }
+    }
+    first.into_result()
+}
+
+/// Removes the cookie's inbound interfaces except `keep` (a scan of the interface map).
+pub(super) fn remove_interfaces(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    keep: &[InterfaceKey],
+) -> Result<(), MapsError> {
+    let stale: Vec<InterfaceKey> = maps
+        .interfaces
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.netns_cookie == netns_cookie && !keep.contains(k))
+        .collect();
+    let mut first = FirstError::default();
+    for key in stale {
+        first.note(deleted(map_names::INTERFACES, maps.interfaces.remove(&key)));
+    }
+    first.into_result()
+}
+
+pub(super) fn port_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<PortKey> {
+    maps.ports
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.netns_cookie == netns_cookie)
+        .collect()
+}
+
+pub(super) fn cidr_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(u32, CidrKey)> {
+    let want = CidrKey::new(netns_cookie, 0, [0; 16]).netns_cookie;
+    maps.cidrs
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.data().netns_cookie == want)
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect()
+}
+
+/// The pod entry goes first: from then on the programs ignore the pod's rules.
+fn remove_pod_entry(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool, MapsError> {
+    let was_enrolled = deleted(map_names::POD_POLICY, maps.pods.remove(&netns_cookie))?;
+    crate::sys::failpoint("unenroll:after-pod-entry");
+    Ok(was_enrolled)
+}
+
+/// Removes every entry of `netns_cookie`, found by scanning the maps. Returns whether the pod
+/// was enrolled. Idempotent.
+pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool, MapsError> {
+    let was_enrolled = remove_pod_entry(maps, netns_cookie)?;
+    let mut first = FirstError::default();
+    for key in port_keys(maps, netns_cookie) {
+        first.note(deleted(map_names::PORT_RULES, maps.ports.remove(&key)));
+    }
+    for (bits, data) in cidr_keys(maps, netns_cookie) {
+        first.note(deleted(
+            map_names::CIDR_RULES,
+            maps.cidrs.remove(&Key::new(bits, data)),
+        ));
+    }
+    first.note(deleted(
+        map_names::COUNTERS,
+        maps.counters.remove(&netns_cookie),
+    ));
+    first.note(remove_addresses(maps, netns_cookie, &[]));
+    first.note(remove_interfaces(maps, netns_cookie, &[]));
+    first.note(remove_reroute(maps, netns_cookie, &[]));
+    first.into_result().map(|()| was_enrolled)
+}
+
+/// Removes the entries `recorded` wrote for `netns_cookie`, without scanning a map except where
+/// the record cannot say (see [`Recorded::inbound_ifindexes`], and re-routed interfaces, whose
+/// keys are the interfaces' ifindex and MAC as found in the netns at enrolment). Returns whether
+/// the pod was enrolled. Idempotent.
+///
+/// A pod entry that is not the one the recorded policy makes means the pod was enrolled since
+/// with something else (by hand, or a re-enrolment the record did not follow), whose keys the
+/// record does not name: then every map is scanned, as [`unenroll_cookie`] does.
+pub fn unenroll_recorded(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    recorded: &Recorded<'_>,
+) -> Result<bool, MapsError> {
+    let entries = recorded.policy.to_map_entries(netns_cookie);
+    // Absent is fine: an unenrolment interrupted after the pod entry left the rest.
+    if maps
+        .pods
+        .get(&netns_cookie, 0)
+        .is_ok_and(|have| have != entries.pod)
+    {
+        tracing::info!(
+            netns_cookie,
+            "the pod entry differs from the recorded policy; unenrolling by scanning the maps"
+        );
+        return unenroll_cookie(maps, netns_cookie);
+    }
+    let was_enrolled = remove_pod_entry(maps, netns_cookie)?;
+    let mut first = FirstError::default();
+    for key in &entries.ports {
+        first.note(deleted(map_names::PORT_RULES, maps.ports.remove(key)));
+    }
+    for (bits, data) in &entries.cidrs {
+        first.note(deleted(
+            map_names::CIDR_RULES,
+            maps.cidrs.remove(&Key::new(*bits, *data)),
+        ));
+    }
+    first.note(deleted(
+        map_names::COUNTERS,
+        maps.counters.remove(&netns_cookie),
+    ));
+    // An address is the key, and a later pod given the same IP owns it now: delete only ours.
+    for addr in &entries.addresses {
+        if maps.addresses.get(addr, 0).is_ok_and(|c| c == netns_cookie) {
+            first.note(deleted(
+                map_names::POD_ADDRESSES,
+                maps.addresses.remove(addr),
+            ));
+        }
+    }
+    match recorded.inbound_ifindexes {
+        Some(ifindexes) => {
+            for &ifindex in ifindexes {
+                let key = InterfaceKey {
+                    netns_cookie,
+                    ifindex,
+                    _reserved: 0,
+                };
+                first.note(deleted(map_names::INTERFACES, maps.interfaces.remove(&key)));
+            }
+        }
+        None => first.note(remove_interfaces(maps, netns_cookie, &[])),
+    }
+    // Only pods with re-routed interfaces (VMs) have these; for them the scan stays, since the
+    // keys depend on what the netns held at enrolment, and no record says it.
+    if !reroute_names(recorded.policy).is_empty() {
+        first.note(remove_reroute(maps, netns_cookie, &[]));
+    }
+    first.into_result().map(|()| was_enrolled)
+}
+
+/// Unenrols the netns at `netns_path`: its map entries and its tc links.
+/// A TPROXY pod also loses its return route; [`unenroll_by_cookie`] cannot reach the netns, and
+/// leaves the route to die with it.
+pub fn unenroll(pin_root: &Path, netns_path: &Path) -> Result<bool, EnrollError> {
+    let netns = Netns::open(netns_path)?;
+    let netns_cookie = netns.cookie()?;
+    let tproxy_mode = PolicyMaps::open(pin_root)?
+        .pods
+        .get(&netns_cookie, 0)
+        .is_ok_and(|p| p.flags & flags::TPROXY != 0);
+    let was = unenroll_by_cookie(pin_root, netns_cookie)?;
+    if tproxy_mode {
+        tproxy::configure(&netns, false)?;
+    }
+    Ok(was)
+}
+
+/// Unenrols by cookie (scanning the maps), for callers whose netns may already be gone.
+pub fn unenroll_by_cookie(pin_root: &Path, netns_cookie: u64) -> Result<bool, EnrollError> {
+    let mut maps = PolicyMaps::open(pin_root)?;
+    let was = unenroll_cookie(&mut maps, netns_cookie)?;
+    tc::detach_inbound(&PinLayout::new(pin_root), netns_cookie)?;
+    Ok(was)
+}
