@@ -56,10 +56,19 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
              cookie; the agent's reconcile reports entries no record accounts for"
         );
     }
+    // A pod the plugin never captured (skipped, or let through by FAIL_OPEN) has neither a
+    // record nor a pod entry: enrolment writes the pod entry before any link, and a killed ADD
+    // leaves a pending record. Nothing to undo, so no record reads or map scans, which on a
+    // node with many unmeshed pods would make their every DEL grow with the node.
+    let never_captured =
+        record.is_none() && !damaged && cookie.is_some_and(|c| !ctx.dp.is_enrolled(c));
+    if never_captured {
+        tracing::debug!("DEL {cid}/{ifname}: never captured, nothing to unenrol");
+    }
     failpoint("del:before-unenroll");
     // Whether no record names the cookie once ours is gone (so its index markers can go).
     let mut last = false;
-    if let Some(cookie) = cookie {
+    if let Some(cookie) = cookie.filter(|_| !never_captured) {
         let sharing = ctx.state.sharing(cookie, cid, ifname, &BTreeSet::new());
         if sharing.others > 0 {
             tracing::info!(

@@ -383,6 +383,32 @@ fn del_is_idempotent_and_survives_missing_pieces() {
     assert!(h.run("DEL", "c4", "/proc/1/ns/net", &conf).success);
 }
 
+/// A pod ADD skipped has no record and no enrolment: its DEL touches no map. Another
+/// attachment's enrolment of the same netns stays; a lost record of an enrolled pod still
+/// unenrols it.
+#[test]
+fn del_of_a_pod_never_captured_unenrols_nothing() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    let skipped = h.conf(json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {}}}));
+    assert!(h.run("ADD", "c1", "/run/netns/a", &skipped).success);
+    assert!(h.world.pods.borrow().is_empty() && h.files().is_empty());
+    assert!(h.run("DEL", "c1", "/run/netns/a", &skipped).success);
+    assert!(h.world.unenrolments.borrow().is_empty());
+
+    // The same netns enrolled through another attachment: the skipped one's DEL keeps it.
+    assert!(h.run("ADD", "c2", "/run/netns/a", &conf).success);
+    assert!(h.run("DEL", "c1", "/run/netns/a", &skipped).success);
+    assert!(h.world.pods.borrow().contains_key(&101));
+    assert!(h.world.unenrolments.borrow().is_empty());
+
+    // Enrolled, record lost: DEL still finds the enrolment by the netns and scans it away.
+    std::fs::remove_file(h.state_dir().join("c2@eth0.json")).unwrap();
+    assert!(h.run("DEL", "c2", "/run/netns/a", &conf).success);
+    assert!(h.world.pods.borrow().is_empty());
+    assert_eq!(*h.world.unenrolments.borrow(), vec![(101, false)]);
+}
+
 #[test]
 fn check_verifies_map_links_and_programs() {
     // The default hook: CHECK needs the netns's sk_lookup link.
