@@ -10,7 +10,7 @@ use std::{
 use sidestep::{
     enroll::{self, Enrolled, Recorded},
     error::{EnrollError, MapsError, NetnsError},
-    maps::PolicyMaps,
+    maps::{MapIdentity, PolicyMaps},
     netns::Netns,
     pins::PinLayout,
     policy::Policy,
@@ -33,6 +33,9 @@ pub trait Dataplane {
     /// Opens the netns (refusing the host's) and reads its cookie.
     fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError>;
     fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError>;
+    /// Whether the maps the last [`Dataplane::enroll`] wrote are still the pinned ones: a reload
+    /// that recreated one meanwhile took those writes with the old map.
+    fn enrolment_current(&self) -> bool;
     /// Whether the cookie is in the pod map; `true` when that cannot be read (the answer decides
     /// only whether the index marks the cookie for the slow, always correct path).
     fn is_enrolled(&self, cookie: u64) -> bool;
@@ -63,6 +66,8 @@ pub struct Pinned {
     opened: RefCell<Option<Netns>>,
     /// The maps [`Dataplane::is_enrolled`] opened, kept for that enrolment too.
     maps: RefCell<Option<PolicyMaps>>,
+    /// The maps the last enrolment wrote, for [`Dataplane::enrolment_current`].
+    enrolled_into: RefCell<Option<MapIdentity>>,
 }
 
 impl std::fmt::Debug for Pinned {
@@ -79,6 +84,7 @@ impl Pinned {
             pin_root: pin_root.into(),
             opened: RefCell::new(None),
             maps: RefCell::new(None),
+            enrolled_into: RefCell::new(None),
         }
     }
 
@@ -115,6 +121,7 @@ impl Dataplane for Pinned {
             None => PolicyMaps::open(&self.pin_root)?,
         };
         let ns = self.open_netns(netns)?;
+        *self.enrolled_into.borrow_mut() = Some(maps.identity());
         enroll::enroll_netns(
             &self.pin_root,
             maps,
@@ -122,6 +129,13 @@ impl Dataplane for Pinned {
             policy,
             Some(&[ifname.to_owned()]),
         )
+    }
+
+    fn enrolment_current(&self) -> bool {
+        self.enrolled_into
+            .borrow()
+            .as_ref()
+            .is_some_and(MapIdentity::still_pinned)
     }
 
     fn is_enrolled(&self, cookie: u64) -> bool {

@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     os::unix::process::ExitStatusExt as _,
     path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
+    process::{Child, Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
@@ -121,6 +121,48 @@ impl Plugin {
     }
 
     pub fn run(&self, command: &str, pod: &Pod, failpoint: Option<&str>) -> Result<Output> {
+        Ok(self.spawn(command, pod, failpoint)?.wait_with_output()?)
+    }
+
+    /// Runs with the plugin stopped at `point` (`stop:<point>`), runs `meanwhile`, lets the
+    /// plugin go on, and returns how it ended.
+    pub fn paused(
+        &self,
+        command: &str,
+        pod: &Pod,
+        point: &str,
+        meanwhile: impl FnOnce() -> Result<()>,
+    ) -> Result<Output> {
+        let child = self.spawn(command, pod, Some(&format!("stop:{point}")))?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+        let stat = format!("/proc/{pid}/stat");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // The state is the field after the parenthesised command name.
+        let stopped = || {
+            std::fs::read_to_string(&stat).is_ok_and(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+            })
+        };
+        while !stopped() {
+            if Instant::now() > deadline {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                let out = child.wait_with_output()?;
+                bail!(
+                    "{command} never stopped at {point} ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let result = meanwhile();
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
+        let out = child.wait_with_output()?;
+        result.map(|()| out)
+    }
+
+    fn spawn(&self, command: &str, pod: &Pod, failpoint: Option<&str>) -> Result<Child> {
         let rc = json!({"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/status": STATUS}});
         let conf = cni::plugin_conf(&self.network, &self.entry, Some(&pod.cni_result), Some(&rc));
         let mut cmd = Command::new(cni_bin());
@@ -143,7 +185,7 @@ impl Plugin {
             &mut child.stdin.take().context("stdin")?,
             &serde_json::to_vec(&conf)?,
         )?;
-        Ok(child.wait_with_output()?)
+        Ok(child)
     }
 
     /// Runs and requires success.

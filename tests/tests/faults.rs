@@ -11,6 +11,8 @@
 //!   DEL exits 0, names the file, and still removes the pod from the kernel; ADD replaces them.
 //! - DEL removes exactly its pod's map entries, and none of another pod's: by its record's keys,
 //!   and by a scan of the maps when the record is gone or older than the netns-cookie index.
+//! - An ADD stopped between its enrolment and its record while a load recreates the pod map
+//!   (`stop:` failpoint) still leaves the pod in the pinned map.
 //! - An upgrade moves each pod's tc and sk_lookup links to the new programs, and a pinned map
 //!   whose layout changed stops the load with an error naming it, before anything changes.
 
@@ -154,6 +156,52 @@ fn plugin_killed_at_each_step_of_add_and_del_converges() -> Result<()> {
 }
 
 /// Damages the record of `pod` in one of the ways a disk or a person does.
+/// A reload that recreates a map while an ADD is between its enrolment and its record (the
+/// agent reloading after lost pins, an upgrade that changed a map's layout) took that enrolment
+/// with the old map, and the agent's re-enrolment after the reload read the records before this
+/// one existed. The plugin sees its maps are no longer the pinned ones and enrols again into the
+/// new ones; before, the pod ran uncaptured behind a record that said it was captured.
+#[test]
+fn add_racing_a_reload_that_recreates_the_maps_still_captures_the_pod() -> Result<()> {
+    if skip_unless_root("add_racing_a_reload_that_recreates_the_maps_still_captures_the_pod") {
+        return Ok(());
+    }
+    let s = setup("faults-reload")?;
+    let pod = s.node.add_pod_with("app", pod_options())?;
+    let root = s.plugin.pin_root.display().to_string();
+    let cgroup = s.env.cgroup_path().display().to_string();
+    let pod_map = s.plugin.pin_root.join("maps/SIDESTEP_POD");
+    let before = pinned_id("map", &pod_map)?;
+    let out = s.plugin.paused("ADD", &pod, "add:after-enroll", || {
+        std::fs::remove_file(&pod_map)?;
+        sidestep(&["load", "--cgroup", &cgroup, "--pin-root", &root])?;
+        Ok(())
+    })?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.success(), "ADD failed: {stderr}");
+    ensure!(
+        pinned_id("map", &pod_map)? != before,
+        "the load did not recreate the pod map"
+    );
+    let cookie = pod.netns_cookie()?;
+    let status = s.loaded.status()?;
+    ensure!(
+        status["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["netns_cookie"] == cookie),
+        "the pod is not in the pinned pod map after the ADD: {status}"
+    );
+    ensure!(
+        stderr.contains("maps were recreated during ADD"),
+        "the plugin did not notice the reload: {stderr}"
+    );
+    s.plugin.ok("CHECK", &pod)?;
+    s.plugin.ok("DEL", &pod)?;
+    Ok(())
+}
+
 fn damage(path: &Path, how: &str) -> Result<()> {
     let full = std::fs::read_to_string(path)?;
     match how {

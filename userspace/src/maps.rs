@@ -30,10 +30,12 @@ pub struct PolicyMaps {
     pub reroute_ifaces: RerouteIfMap,
     pub reroute_nat: RerouteNatMap,
     pub pod_capacity: u32,
+    identity: MapIdentity,
     layout: PinLayout,
 }
 
-fn open(layout: &PinLayout, name: &'static str) -> Result<Map, MapsError> {
+/// A pinned map, with the kernel's id of the map behind the pin when it was opened.
+fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError> {
     let path = layout.map(name);
     if !path.exists() {
         return Err(MapsError::NotLoaded(layout.root().to_path_buf()));
@@ -42,14 +44,40 @@ fn open(layout: &PinLayout, name: &'static str) -> Result<Map, MapsError> {
         path: path.clone(),
         source,
     })?;
-    Map::from_map_data(data).map_err(|source| MapsError::Open { path, source })
+    // 0 (no id) never equals a live map's id, so a map whose info cannot be read counts as
+    // replaced: the caller then does its work again rather than trust it.
+    let id = data.info().map_or(0, |i| i.id());
+    let map = Map::from_map_data(data).map_err(|source| MapsError::Open { path, source })?;
+    Ok((map, id))
 }
 
 fn typed<T: TryFrom<Map, Error = MapError>>(
     layout: &PinLayout,
     name: &'static str,
+    ids: &mut Vec<(&'static str, u32)>,
 ) -> Result<T, MapsError> {
-    T::try_from(open(layout, name)?).map_err(|source| MapsError::Access { map: name, source })
+    let (map, id) = open(layout, name)?;
+    ids.push((name, id));
+    T::try_from(map).map_err(|source| MapsError::Access { map: name, source })
+}
+
+/// Which maps a [`PolicyMaps`] wrote to: the kernel's ids of the maps behind their pins when
+/// they were opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapIdentity {
+    layout: PinLayout,
+    ids: Vec<(&'static str, u32)>,
+}
+
+impl MapIdentity {
+    /// Whether every pin still names the map that was opened. A reload that recreated a map
+    /// (new layout, or pins deleted behind the agent) pins a new one: what was written to the
+    /// old one no longer reaches the programs.
+    pub fn still_pinned(&self) -> bool {
+        self.ids.iter().all(|(name, id)| {
+            aya::maps::MapInfo::from_pin(self.layout.map(name)).is_ok_and(|i| i.id() == *id)
+        })
+    }
 }
 
 impl PolicyMaps {
@@ -59,25 +87,35 @@ impl PolicyMaps {
             .and_then(|m| m.info())
             .map(|i| i.max_entries())
             .unwrap_or(0);
-        let pods: PodMap = typed(&layout, map_names::POD_POLICY)?;
+        let mut ids = Vec::with_capacity(8);
+        let pods: PodMap = typed(&layout, map_names::POD_POLICY, &mut ids)?;
         Ok(Self {
             pods,
-            ports: typed(&layout, map_names::PORT_RULES)?,
-            cidrs: typed(&layout, map_names::CIDR_RULES)?,
-            counters: typed(&layout, map_names::COUNTERS)?,
-            addresses: typed(&layout, map_names::POD_ADDRESSES)?,
-            interfaces: typed(&layout, map_names::INTERFACES)?,
-            reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES)?,
-            reroute_nat: typed(&layout, map_names::REROUTE_NAT)?,
+            ports: typed(&layout, map_names::PORT_RULES, &mut ids)?,
+            cidrs: typed(&layout, map_names::CIDR_RULES, &mut ids)?,
+            counters: typed(&layout, map_names::COUNTERS, &mut ids)?,
+            addresses: typed(&layout, map_names::POD_ADDRESSES, &mut ids)?,
+            interfaces: typed(&layout, map_names::INTERFACES, &mut ids)?,
+            reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES, &mut ids)?,
+            reroute_nat: typed(&layout, map_names::REROUTE_NAT, &mut ids)?,
             pod_capacity,
+            identity: MapIdentity {
+                layout: layout.clone(),
+                ids,
+            },
             layout,
         })
+    }
+
+    /// The maps these handles write to, to tell later whether they are still the pinned ones.
+    pub fn identity(&self) -> MapIdentity {
+        self.identity.clone()
     }
 
     /// The pending original-destination hand-over map (`SIDESTEP_PEND`), opened on demand: only
     /// the unenrolment of a pod with re-routed interfaces sweeps it.
     pub fn pending(&self) -> Result<RerouteNatMap, MapsError> {
-        typed(&self.layout, map_names::PENDING_ORIG_DST)
+        typed(&self.layout, map_names::PENDING_ORIG_DST, &mut Vec::new())
     }
 
     /// Every enrolled netns cookie with its policy.

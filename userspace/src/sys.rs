@@ -169,14 +169,25 @@ pub const FAILPOINT_ENV: &str = "SIDESTEP_FAILPOINT";
 
 /// Fault injection for the fault tests (tests/tests/faults*.rs), not for operators: when
 /// `SIDESTEP_FAILPOINT` equals `name`, the process SIGKILLs itself right here, as an OOM kill or
-/// a node's runtime timeout would, with no destructor and no cleanup. Unset (always, outside
-/// those tests) it costs one comparison against a value read once. It grants nothing: whoever
-/// can set a root process's environment can already kill it.
+/// a node's runtime timeout would, with no destructor and no cleanup. `stop:<name>` SIGSTOPs it
+/// there instead, so that a test can change the world under a step (a reload mid-ADD) and let
+/// it go on with SIGCONT. Unset (always, outside those tests) it costs one comparison against a
+/// value read once. It grants nothing: whoever can set a root process's environment can already
+/// kill or stop it.
 pub fn failpoint(name: &str) {
     static POINT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let armed = POINT.get_or_init(|| std::env::var(FAILPOINT_ENV).ok().filter(|v| !v.is_empty()));
-    if armed.as_deref() == Some(name) {
+    let Some(armed) = POINT
+        .get_or_init(|| std::env::var(FAILPOINT_ENV).ok().filter(|v| !v.is_empty()))
+        .as_deref()
+    else {
+        return;
+    };
+    use nix::sys::signal::{Signal, raise};
+    if armed == name {
         eprintln!("sidestep: failpoint {name}: SIGKILL");
-        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        let _ = raise(Signal::SIGKILL);
+    } else if armed.strip_prefix("stop:") == Some(name) {
+        eprintln!("sidestep: failpoint {name}: SIGSTOP");
+        let _ = raise(Signal::SIGSTOP);
     }
 }

@@ -149,7 +149,12 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     record.netns_cookie = enrolled.netns_cookie;
     record.interfaces = enrolled.interfaces.clone();
     record.inbound_ifindexes = Some(enrolled.inbound_ifindexes.clone());
-    if let Err(e) = ctx.state.write_record(&record) {
+    let recorded = ctx
+        .state
+        .write_record(&record)
+        .map_err(|e| e.to_cni())
+        .and_then(|()| confirm_current(ctx, netns, &record.policy, ifname, &who));
+    if let Err(e) = recorded {
         unexact();
         // Keep an enrolment an earlier ADD of this attachment recorded; undo only ours.
         let ours = previous
@@ -167,7 +172,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         }
         restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
         unindex_failed(ctx, cookie, previous_cookie, &who);
-        return fail(e.to_cni());
+        return fail(e);
     }
     failpoint("add:after-record");
     if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie) {
@@ -248,6 +253,42 @@ fn inbound_hook(ctx: &Ctx<'_>, netns: &std::path::Path, policy: &Policy, who: &s
             InboundHook::Tc
         }
     }
+}
+
+/// Enrolments an ADD makes before it gives up on a data path that keeps being reloaded.
+const ENROL_ATTEMPTS_ACROSS_RELOADS: usize = 3;
+
+/// Once the record is complete, a reload that recreates the maps re-enrols the pod from it (the
+/// agent's reconcile). One that came between this ADD's open of the maps and its record took the
+/// enrolment with the old maps, and read the records before this one was complete: enrol again
+/// into the maps now pinned. A reload that keeps racing fails the ADD (try again later), never
+/// lets the pod start uncaptured.
+fn confirm_current(
+    ctx: &Ctx<'_>,
+    netns: &std::path::Path,
+    policy: &Policy,
+    ifname: &str,
+    who: &str,
+) -> Result<(), CniError> {
+    for _ in 1..ENROL_ATTEMPTS_ACROSS_RELOADS {
+        if ctx.dp.enrolment_current() {
+            return Ok(());
+        }
+        tracing::warn!("{who}: the maps were recreated during ADD; enrolling into the new ones");
+        ctx.dp
+            .enroll(netns, policy, ifname)
+            .map_err(|e| e.to_cni())?;
+    }
+    if ctx.dp.enrolment_current() {
+        return Ok(());
+    }
+    Err(CniError::new(
+        code::TRY_AGAIN_LATER,
+        format!(
+            "the maps under {} were recreated during each of {ENROL_ATTEMPTS_ACROSS_RELOADS}              enrolments (a reload in progress)",
+            ctx.dp.pin_root().display()
+        ),
+    ))
 }
 
 /// After a failed ADD: its index entry goes unless the attachment's earlier record (put back)

@@ -37,6 +37,9 @@ struct World {
     addresses: RefCell<Vec<std::net::IpAddr>>,
     /// Each unenrolment: the cookie, and whether it deleted a record's keys (or scanned).
     unenrolments: RefCell<Vec<(u64, bool)>>,
+    /// Reloads that recreate the maps right after an enrolment wrote them (and so lose it).
+    reloads_after_enroll: Cell<u32>,
+    enrolments: Cell<u32>,
 }
 
 struct Fake(Rc<World>, PathBuf);
@@ -74,6 +77,7 @@ impl Dataplane for Fake {
             }
             .into());
         }
+        self.0.enrolments.set(self.0.enrolments.get() + 1);
         self.0.pods.borrow_mut().insert(cookie, policy.clone());
         self.0
             .links
@@ -85,6 +89,15 @@ impl Dataplane for Fake {
             interfaces: vec![ifname.to_owned()],
             inbound_ifindexes: vec![2],
         })
+    }
+    fn enrolment_current(&self) -> bool {
+        let reloads = self.0.reloads_after_enroll.get();
+        if reloads == 0 {
+            return true;
+        }
+        self.0.reloads_after_enroll.set(reloads - 1);
+        self.0.pods.borrow_mut().clear();
+        false
     }
     fn is_enrolled(&self, cookie: u64) -> bool {
         self.0.pods.borrow().contains_key(&cookie)
@@ -381,6 +394,32 @@ fn del_is_idempotent_and_survives_missing_pieces() {
     assert!(h.run("DEL", "c3", "/run/netns/b", &conf).success);
     // A host netns on DEL is never unenrolled, and is not an error.
     assert!(h.run("DEL", "c4", "/proc/1/ns/net", &conf).success);
+}
+
+/// A reload that recreates the maps during ADD (after its enrolment, before its record) loses
+/// that enrolment: ADD enrols again into the new maps. One that keeps racing fails the ADD with
+/// "try again later" and leaves no record, never a pod running uncaptured.
+#[test]
+fn add_enrols_again_when_the_maps_were_recreated_meanwhile() {
+    let h = Harness::new();
+    let conf = h.conf(json!({}));
+    h.world.reloads_after_enroll.set(1);
+    assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
+    assert_eq!(h.world.enrolments.get(), 2);
+    assert!(h.world.pods.borrow().contains_key(&101));
+    assert!(h.run("CHECK", "c1", "/run/netns/a", &conf).success);
+
+    let h = Harness::new();
+    h.world.reloads_after_enroll.set(u32::MAX);
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    assert_eq!(err_code(&o), code::TRY_AGAIN_LATER as u64);
+    assert_eq!(h.world.enrolments.get(), 3);
+    assert!(h.world.pods.borrow().is_empty());
+    assert!(
+        !h.files().iter().any(|f| f.ends_with(".json")),
+        "{:?}",
+        h.files()
+    );
 }
 
 /// A pod ADD skipped has no record and no enrolment: its DEL touches no map. Another
