@@ -19,9 +19,15 @@
 //!
 //! Needs root; skips otherwise.
 
+// A test target's modules resolve beside it, not in a directory of its name.
+#[path = "reroute/table.rs"]
+mod table;
+#[path = "reroute/vm.rs"]
+mod vm;
+
 use std::{
     net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
+    path::Path,
     process::Command,
     time::Duration,
 };
@@ -29,13 +35,14 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 use sidestep_tests::{
-    Node, NodeOptions, Pod, Spawn, TestEnv, haproxy,
-    istio_iptables::IstioCapture,
-    netns, nginx,
-    parity::{Listeners, Names, Oracle, Outcome, outcome, render_table},
+    Node, NodeOptions, Spawn, TestEnv, haproxy, netns, nginx,
+    parity::{Listeners, Names, Oracle, Outcome, render_table},
     sidestep::Loaded,
     skip_unless_root, wait_for_tcp,
 };
+
+use table::{Case, istio_capture, observe, reroute_policy, rule_g, sidestep_args};
+use vm::{Vm, ok_200};
 
 const IFACE: &str = "vm0";
 const GW4: &str = "192.168.77.1";
@@ -55,160 +62,6 @@ fn run(argv: &[&str]) -> Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// The VM: a netns behind `vm0` of the pod. Deleting it deletes the veth pair too.
-struct Vm {
-    name: String,
-}
-
-impl Vm {
-    fn attach(pod: &Pod, tag: &str) -> Result<Self> {
-        let name = format!("ssrr-{}-{tag}", std::process::id());
-        netns::create(&name)?;
-        let vm = Vm { name };
-        let (p, v) = (pod.netns_name.as_str(), vm.name.as_str());
-        run(&[
-            "ip", "-n", p, "link", "add", IFACE, "type", "veth", "peer", "name", "eth0", "netns", v,
-        ])?;
-        run(&[
-            "ip",
-            "-n",
-            p,
-            "addr",
-            "add",
-            &format!("{GW4}/24"),
-            "dev",
-            IFACE,
-        ])?;
-        netns::add_addr(p, IFACE, &format!("{GW6}/64"))?;
-        run(&["ip", "-n", p, "link", "set", IFACE, "up"])?;
-        run(&["ip", "-n", v, "link", "set", "lo", "up"])?;
-        run(&[
-            "ip",
-            "-n",
-            v,
-            "addr",
-            "add",
-            "192.168.77.2/24",
-            "dev",
-            "eth0",
-        ])?;
-        netns::add_addr(v, "eth0", "fd77::2/64")?;
-        run(&["ip", "-n", v, "link", "set", "eth0", "up"])?;
-        run(&["ip", "-n", v, "route", "add", "default", "via", GW4])?;
-        run(&["ip", "-n", v, "-6", "route", "add", "default", "via", GW6])?;
-        netns::wait_no_tentative(p, Duration::from_secs(5))?;
-        netns::wait_no_tentative(v, Duration::from_secs(5))?;
-        Ok(vm)
-    }
-
-    /// `probe connect` from the VM: its JSON line.
-    fn connect(&self, to: SocketAddr, http: bool) -> Result<Value> {
-        let to = to.to_string();
-        let mut argv = vec![
-            "ip",
-            "netns",
-            "exec",
-            &self.name,
-            probe(),
-            "connect",
-            &to,
-            "--timeout-ms",
-            "3000",
-        ];
-        if http {
-            argv.push("--http");
-        }
-        let out = Command::new(argv[0]).args(&argv[1..]).output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .last()
-            .context("probe connect printed nothing")?;
-        serde_json::from_str(line).with_context(|| format!("probe connect printed {line:?}"))
-    }
-}
-
-impl Drop for Vm {
-    fn drop(&mut self) {
-        if let Err(e) = netns::delete(&self.name) {
-            eprintln!("deleting VM netns {}: {e:#}", self.name);
-        }
-    }
-}
-
-/// A policy file naming the re-routed interface (the CLI has no flag for it).
-fn reroute_policy(env: &TestEnv, ifaces: &[&str]) -> Result<PathBuf> {
-    let path = env
-        .tmp_dir()
-        .join(format!("reroute-{}.json", ifaces.join("-")));
-    std::fs::write(
-        &path,
-        serde_json::json!({ "rerouteVirtualInterfaces": ifaces }).to_string(),
-    )?;
-    Ok(path)
-}
-
-/// One policy of the table, in both forms.
-struct Case {
-    name: &'static str,
-    include: String,
-    exclude: String,
-    exclude_ports: String,
-    /// Destinations the VM connects to.
-    targets: Vec<SocketAddr>,
-}
-
-fn sidestep_args(c: &Case, policy_file: &Path) -> Vec<String> {
-    vec![
-        "--policy".into(),
-        policy_file.display().to_string(),
-        "--include-outbound-ip-ranges".into(),
-        c.include.clone(),
-        "--exclude-outbound-ip-ranges".into(),
-        c.exclude.clone(),
-        "--exclude-outbound-ports".into(),
-        c.exclude_ports.clone(),
-    ]
-}
-
-fn istio_capture(c: &Case) -> IstioCapture {
-    IstioCapture {
-        include_outbound_ip_ranges: c.include.clone(),
-        exclude_outbound_ip_ranges: c.exclude.clone(),
-        exclude_outbound_ports: c.exclude_ports.clone(),
-        reroute_virtual_interfaces: IFACE.into(),
-        ipv6: true,
-        ..Default::default()
-    }
-}
-
-fn observe(vm: &Vm, names: &Names, listeners: &mut Listeners, to: SocketAddr) -> Result<Outcome> {
-    let client = vm.connect(to, false)?;
-    let wait = if client.get("errno").is_some() {
-        Duration::from_millis(300)
-    } else {
-        Duration::from_secs(3)
-    };
-    let accepted = listeners.take(wait)?;
-    outcome(names, &client, &accepted)
-}
-
-/// tests/tests/parity.rs's rule G: a connection nothing redirected gets its own local address from
-/// SO_ORIGINAL_DST under Istio's rules (they turn conntrack on in the pod), ENOENT from sidestep.
-fn rule_g(istio: &Outcome) -> Outcome {
-    let mut o = istio.clone();
-    if o.accepted == "15001" {
-        return o;
-    }
-    let local = o.local.clone();
-    for v in [&mut o.orig_v4, &mut o.orig_v6] {
-        if *v == local {
-            *v = "ENOENT".into();
-        }
-    }
-    o
 }
 
 #[test]
@@ -368,11 +221,6 @@ fn reroute_matches_istios_ruleset() -> Result<()> {
         "sidestep differs from Istio's ruleset (table above)"
     );
     Ok(())
-}
-
-/// Whether `probe connect --http` got a 200 response.
-fn ok_200(v: &Value) -> bool {
-    v["status"].as_str().is_some_and(|s| s.contains(" 200 "))
 }
 
 /// Entries of a pinned map, by bpftool.

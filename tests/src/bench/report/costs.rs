@@ -1,0 +1,202 @@
+//! The sections on what sidestep costs besides throughput and latency: connection setup (SYN
+//! retransmissions, failed attempts, TIME_WAIT), BPF run time per call, and enrolment latency.
+//! Each reads its own collector's result, so they are apart from the main tables.
+
+use std::fmt::Write as _;
+
+use super::*;
+
+impl Report {
+    pub(super) fn health_section(&self, o: &mut String) {
+        let _ = writeln!(
+            o,
+            "## Connection setup\n\nTCP counters of each lane's two pods (client and server together) over the recorded new-connection runs, per 1000 connections: SYN and SYN-ACK retransmissions (`TcpExtTCPSynRetrans`; each costs at least the 1 s initial RTO), failed connection attempts (`Tcp AttemptFails`, e.g. a connect answered by a reset; HAProxy then retries after a turnaround of up to 1 s) and resets sent (`Tcp OutRsts`), and the most TIME_WAIT sockets seen in the server pod right after a run.\n"
+        );
+        let _ = writeln!(
+            o,
+            "| lane | connections/s (median) | connections | SYN retransmits /1000 | failed attempts /1000 | resets sent /1000 | TIME_WAIT in the server pod |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
+        let nc = self.metric("nc_cps");
+        let row = |o: &mut String, name: &str, rate: Option<f64>, h: &ConnHealth| {
+            let _ = writeln!(
+                o,
+                "| {name} | {} | {} | {} | {} | {} | {} |",
+                fmt_opt(rate),
+                h.connections,
+                fmt_opt(h.per_1000(h.tcp.syn_retrans)),
+                fmt_opt(h.per_1000(h.tcp.attempt_fails)),
+                fmt_opt(h.per_1000(h.tcp.out_rsts)),
+                h.server_time_wait
+            );
+        };
+        for mode in Mode::ALL {
+            row(
+                o,
+                mode.label(),
+                nc.and_then(|m| m.median(mode)),
+                &self.health[mode.index()],
+            );
+        }
+        let c = &self.tw_control;
+        row(
+            o,
+            "*control: sidestep, server pod with `tcp_max_tw_buckets=0`*",
+            median(&c.rates),
+            &c.health,
+        );
+        let _ = writeln!(
+            o,
+            "\nThe control row is a diagnostic, not a mode: a second sidestep lane, identical except that its server pod keeps no TIME_WAIT sockets. It runs the new-connection workload right after the sidestep lane in every round ({} runs).",
+            c.rates.len()
+        );
+        if self.tw_collapse() {
+            let s = &self.health[Mode::Sidestep.index()];
+            let _ = writeln!(
+                o,
+                "\nsidestep's connections/s collapse while the control lane's do not, so what stands in the way on this workload is TIME_WAIT sockets in the server pod (up to {} here), not the cost of sidestep's programs (see the BPF table). The server side closes first in this workload, so the server pod holds TIME_WAIT sockets for (pod:80, client sidecar:port) tuples, and the client sidecar soon reuses such a port. A SYN onto such a tuple must go through the kernel's TIME_WAIT recycling (TCP_TW_SYN) before a listener is chosen, as it does under iptables; if inbound capture assigns it to the proxy listener first, the new connection and the TIME_WAIT socket share a 4-tuple, and the handshake is dropped or answered by the TIME_WAIT socket (the counters above show which: retransmissions, failed attempts, resets) until a retransmission or the client sidecar's retry. See docs/ARCHITECTURE.md, inbound capture, on how sidestep leaves such SYNs to the kernel and steers its listener lookup with sk_lookup.",
+                s.server_time_wait
+            );
+        }
+        let _ = writeln!(o);
+    }
+
+    pub(super) fn bpf_section(&self, o: &mut String) {
+        let _ = writeln!(o, "## BPF programs' cost per call\n");
+        let Some(b) = &self.bpf else {
+            let _ = writeln!(o, "Not measured in this run (see the notes).\n");
+            return;
+        };
+        let _ = writeln!(
+            o,
+            "From the kernel's own accounting: `kernel.bpf_stats_enabled=1` (it was `{}` before and was put back) for two windows of {} s on the sidestep lane after the rounds, a keep-alive one and a new-connection one; run_time_ns / run_cnt per program, read from `sidestep status --json`{}. Counts include both pods: the client's connects and the server's inbound packets. The rounds above ran with statistics off, so this timing never touched them; with it on, every call also pays for two clock reads.\n",
+            b.sysctl_before,
+            self.config.bpf_stats_secs,
+            if b.via_bpftool.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " and, for {} (which status did not list), from `bpftool prog show pinned`",
+                    b.via_bpftool
+                        .iter()
+                        .map(|n| format!("`{n}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        );
+        let mut head = String::from("| program | calls | ns/call (both windows)");
+        let mut sep = String::from("|---|---:|---:");
+        for w in &b.windows {
+            let _ = write!(head, " | ns/call, {}", w.workload.label());
+            sep.push_str("|---:");
+        }
+        let _ = writeln!(o, "{head} |\n{sep}|");
+        let key = |n: &str| match n {
+            "sidestep_connect4" => 0,
+            "sidestep_sockops" => 1,
+            TC_PROGRAM => 2,
+            "sidestep_sk_lookup" => 3,
+            _ => 4,
+        };
+        let mut progs: Vec<_> = b.combined.iter().filter(|p| p.calls > 0).collect();
+        progs.sort_by_key(|p| (key(&p.name), p.name.clone()));
+        for p in progs {
+            let mut row = format!(
+                "| `{}` | {} | {} ",
+                p.name,
+                p.calls,
+                fmt_opt(p.ns_per_call())
+            );
+            for w in &b.windows {
+                let v = w
+                    .progs
+                    .iter()
+                    .find(|q| q.name == p.name)
+                    .and_then(|q| q.ns_per_call());
+                let _ = write!(row, "| {} ", fmt_opt(v));
+            }
+            let _ = writeln!(o, "{row}|");
+        }
+        let silent: Vec<&str> = b
+            .combined
+            .iter()
+            .filter(|p| p.calls == 0)
+            .map(|p| p.name.as_str())
+            .collect();
+        if !silent.is_empty() {
+            let _ = writeln!(o, "\nNot called in these windows: {}.", silent.join(", "));
+        }
+        let _ = writeln!(o);
+        for w in &b.windows {
+            let unit = if w.workload == Workload::NewConn {
+                "connection"
+            } else {
+                "request"
+            };
+            let _ = writeln!(
+                o,
+                "- {}: all programs together cost {} ns per {unit} ({} {unit}s in the window).",
+                w.workload.label(),
+                fmt_opt(w.ns_per_request()),
+                w.requests
+            );
+        }
+        if let (Some(w), Some(m)) = (
+            b.windows.iter().find(|w| w.workload == Workload::NewConn),
+            self.metric("nc_cps"),
+        ) && let (Some(ns), Some(ov)) = (w.ns_per_request(), overhead(m, Mode::Sidestep))
+        {
+            let _ = writeln!(
+                o,
+                "- For scale: sidestep's measured capture overhead on that workload is {} µs per connection, and its BPF programs account for {} µs of it.",
+                fmt_num(ov),
+                fmt_num(ns / 1000.0)
+            );
+        }
+        let _ = writeln!(o);
+    }
+
+    pub(super) fn enrol_section(&self, o: &mut String) {
+        let e = &self.enrol;
+        let _ = writeln!(
+            o,
+            "## Enrol latency (command-line tools)\n\nThe `sidestep enroll` CLI (what an operator runs by hand), against the same iptables install; the CNI plugin's own ADD is in the CNI section. Each run makes a fresh network namespace with `lo` and a veth `eth0` (untimed; the peer stays inside the netns), then times one process from spawn to exit: `sidestep enroll --netns … --interface eth0 --pod-ip …` (writes the pod's map entries and attaches tc ingress inside the netns), or `iptables-legacy-restore --noflush -w 5` of Istio's default ruleset ({} lines), started inside the netns (setns between fork and exec, no `ip netns exec`). The two alternate; each has two untimed warm-up runs. `sidestep unenroll` runs untimed after each enroll and is shown for information (Istio's DEL has no iptables counterpart: the rules die with the netns).\n",
+            e.ruleset_lines
+        );
+        let _ = writeln!(
+            o,
+            "| command | runs | p50 | p99 | min | max |\n|---|---:|---:|---:|---:|---:|"
+        );
+        for (name, v) in [
+            ("`sidestep enroll`", &e.sidestep_ms),
+            ("`iptables-legacy-restore` (Istio rules)", &e.iptables_ms),
+            ("`sidestep unenroll`", &e.unenroll_ms),
+            (
+                "`sidestep --version` (process start-up floor)",
+                &e.startup_ms,
+            ),
+        ] {
+            let _ = writeln!(
+                o,
+                "| {name} | {} | {} | {} | {} | {} |",
+                v.len(),
+                fmt_ms(percentile(v, 50.0)),
+                fmt_ms(percentile(v, 99.0)),
+                fmt_ms(stats::min(v)),
+                fmt_ms(stats::max(v))
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\nsidestep enroll ÷ iptables-restore: p50 {}, p99 {}.\n",
+            fmt_ratio(ratio(
+                percentile(&e.sidestep_ms, 50.0),
+                percentile(&e.iptables_ms, 50.0)
+            )),
+            fmt_ratio(ratio(
+                percentile(&e.sidestep_ms, 99.0),
+                percentile(&e.iptables_ms, 99.0)
+            ))
+        );
+    }
+}

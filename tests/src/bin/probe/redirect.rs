@@ -1,0 +1,171 @@
+//! The subcommands of the redirection tests: a client that prints what connect(2) saw, the
+//! Envoy-like original-destination proxy, and the UDP pair for DNS capture.
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    time::Duration,
+};
+
+use crate::sock::{json_result, listen, open_connected, original_dst};
+
+pub(super) fn connect(
+    addr: SocketAddr,
+    http: bool,
+    source: Option<SocketAddr>,
+    timeout: Duration,
+) -> i32 {
+    let sock = match open_connected(addr, source, timeout) {
+        Ok(s) => s,
+        Err(e) => {
+            println!(
+                "{{\"error\":\"{e}\",\"errno\":{}}}",
+                e.raw_os_error().unwrap_or(-1)
+            );
+            return 1;
+        }
+    };
+    let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let local = sock.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    let mut status = String::new();
+    if http {
+        let _ = sock.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut s = &sock;
+        let _ = s.write_all(b"GET / HTTP/1.0\r\nHost: probe\r\n\r\n");
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        status = body.lines().next().unwrap_or("").to_string();
+    }
+    println!("{{\"peer\":\"{peer}\",\"local\":\"{local}\",\"status\":\"{status}\"}}");
+    0
+}
+
+fn relay(client: TcpStream, upstream: SocketAddr) {
+    let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5)) else {
+        return;
+    };
+    let (mut c2, mut s2) = match (client.try_clone(), server.try_clone()) {
+        (Ok(c), Ok(s)) => (c, s),
+        _ => return,
+    };
+    let up = std::thread::spawn(move || {
+        let mut c = &client;
+        let _ = std::io::copy(&mut c, &mut s2);
+        let _ = s2.shutdown(std::net::Shutdown::Write);
+    });
+    let mut s = &server;
+    let _ = std::io::copy(&mut s, &mut c2);
+    let _ = c2.shutdown(std::net::Shutdown::Write);
+    let _ = up.join();
+}
+
+fn serve(listener: TcpListener, name: String, report: String, forward: bool) {
+    for conn in listener.incoming().flatten() {
+        let v4 = original_dst(&conn, libc::SOL_IP);
+        let v6 = original_dst(&conn, libc::SOL_IPV6);
+        let line = format!(
+            "{{\"listener\":\"{name}\",\"peer\":\"{}\",\"local\":\"{}\",\"orig_v4\":{},\"orig_v6\":{}}}\n",
+            conn.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+            conn.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            json_result(&v4),
+            json_result(&v6)
+        );
+        if report == "-" {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes());
+            let _ = out.flush();
+        } else if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&report)
+        {
+            let _ = f.write_all(line.as_bytes());
+        }
+        match (forward, v4.or(v6)) {
+            (true, Ok(upstream)) => {
+                std::thread::spawn(move || relay(conn, upstream));
+            }
+            _ => {
+                let mut c = &conn;
+                let _ = c.write_all(b"probe\n");
+            }
+        }
+    }
+}
+
+pub(super) fn proxy(
+    addrs: &[SocketAddr],
+    report: &str,
+    forward: bool,
+    v6only: bool,
+    transparent: bool,
+) -> i32 {
+    let mut listeners = Vec::new();
+    for addr in addrs {
+        match listen(*addr, v6only, transparent) {
+            Ok(l) => listeners.push((l, addr.to_string())),
+            Err(e) => {
+                eprintln!("probe: bind {addr}: {e}");
+                return 1;
+            }
+        }
+    }
+    let threads: Vec<_> = listeners
+        .into_iter()
+        .map(|(l, name)| {
+            let report = report.to_string();
+            std::thread::spawn(move || serve(l, name, report, forward))
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
+    }
+    0
+}
+
+pub(super) fn udp_serve(addr: SocketAddr) -> i32 {
+    let Ok(sock) = std::net::UdpSocket::bind(addr) else {
+        eprintln!("probe: bind {addr}");
+        return 1;
+    };
+    let mut buf = [0u8; 512];
+    while let Ok((_, from)) = sock.recv_from(&mut buf) {
+        let _ = sock.send_to(format!("reply to {from}").as_bytes(), from);
+    }
+    0
+}
+
+pub(super) fn udp_query(addr: SocketAddr, connect: bool) -> i32 {
+    let bind: SocketAddr = if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    }
+    .parse()
+    .expect("literal");
+    let Ok(sock) = std::net::UdpSocket::bind(bind) else {
+        return 1;
+    };
+    let _ = sock.set_read_timeout(Some(Duration::from_secs(3)));
+    let sent = if connect {
+        sock.connect(addr).and_then(|()| sock.send(b"query"))
+    } else {
+        sock.send_to(b"query", addr)
+    };
+    if let Err(e) = sent {
+        println!("{{\"error\":\"{e}\"}}");
+        return 1;
+    }
+    let mut buf = [0u8; 512];
+    match sock.recv_from(&mut buf) {
+        Ok((n, from)) => {
+            let reply = String::from_utf8_lossy(&buf[..n]);
+            println!("{{\"from\":\"{from}\",\"reply\":\"{reply}\"}}");
+            0
+        }
+        Err(e) => {
+            println!("{{\"error\":\"{e}\"}}");
+            1
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! The VM: a third netns behind the pod's `vm0`, standing in for a KubeVirt guest whose traffic
+//! arrives on a re-routed interface. Both the table and the end-to-end tests connect from it.
+
+use std::{net::SocketAddr, process::Command, time::Duration};
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+use sidestep_tests::{Pod, netns};
+
+use crate::{GW4, GW6, IFACE, probe, run};
+
+/// The VM: a netns behind `vm0` of the pod. Deleting it deletes the veth pair too.
+pub(super) struct Vm {
+    name: String,
+}
+
+impl Vm {
+    pub(super) fn attach(pod: &Pod, tag: &str) -> Result<Self> {
+        let name = format!("ssrr-{}-{tag}", std::process::id());
+        netns::create(&name)?;
+        let vm = Vm { name };
+        let (p, v) = (pod.netns_name.as_str(), vm.name.as_str());
+        run(&[
+            "ip", "-n", p, "link", "add", IFACE, "type", "veth", "peer", "name", "eth0", "netns", v,
+        ])?;
+        run(&[
+            "ip",
+            "-n",
+            p,
+            "addr",
+            "add",
+            &format!("{GW4}/24"),
+            "dev",
+            IFACE,
+        ])?;
+        netns::add_addr(p, IFACE, &format!("{GW6}/64"))?;
+        run(&["ip", "-n", p, "link", "set", IFACE, "up"])?;
+        run(&["ip", "-n", v, "link", "set", "lo", "up"])?;
+        run(&[
+            "ip",
+            "-n",
+            v,
+            "addr",
+            "add",
+            "192.168.77.2/24",
+            "dev",
+            "eth0",
+        ])?;
+        netns::add_addr(v, "eth0", "fd77::2/64")?;
+        run(&["ip", "-n", v, "link", "set", "eth0", "up"])?;
+        run(&["ip", "-n", v, "route", "add", "default", "via", GW4])?;
+        run(&["ip", "-n", v, "-6", "route", "add", "default", "via", GW6])?;
+        netns::wait_no_tentative(p, Duration::from_secs(5))?;
+        netns::wait_no_tentative(v, Duration::from_secs(5))?;
+        Ok(vm)
+    }
+
+    /// `probe connect` from the VM: its JSON line.
+    pub(super) fn connect(&self, to: SocketAddr, http: bool) -> Result<Value> {
+        let to = to.to_string();
+        let mut argv = vec![
+            "ip",
+            "netns",
+            "exec",
+            &self.name,
+            probe(),
+            "connect",
+            &to,
+            "--timeout-ms",
+            "3000",
+        ];
+        if http {
+            argv.push("--http");
+        }
+        let out = Command::new(argv[0]).args(&argv[1..]).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .last()
+            .context("probe connect printed nothing")?;
+        serde_json::from_str(line).with_context(|| format!("probe connect printed {line:?}"))
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Err(e) = netns::delete(&self.name) {
+            eprintln!("deleting VM netns {}: {e:#}", self.name);
+        }
+    }
+}
+
+/// Whether `probe connect --http` got a 200 response.
+pub(super) fn ok_200(v: &Value) -> bool {
+    v["status"].as_str().is_some_and(|s| s.contains(" 200 "))
+}
