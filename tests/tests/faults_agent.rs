@@ -517,6 +517,17 @@ fn agent_repairs_lost_pins_and_reports_damaged_state() -> Result<()> {
         std::fs::remove_dir_all(&pin_root).context("deleting the pins")
     })?;
     expect_repair(&env, &pin_root, &mut a, &pod, cookie, 2, || bpffs.unmount())?;
+    // Only the port rules map lost: the pod stays in the pod map, but its excluded ports went
+    // with the map, so the reconcile must enrol it again all the same.
+    let ports = pin_root.join("maps/SIDESTEP_PORTS");
+    expect_repair(&env, &pin_root, &mut a, &pod, cookie, 3, || {
+        std::fs::remove_file(&ports).context("deleting the port rules map's pin")
+    })?;
+    let rules = bpftool(&["map", "dump", "pinned", &ports.display().to_string()])?;
+    ensure!(
+        rules.as_array().is_some_and(|r| !r.is_empty()),
+        "the pod's port rules were not written again: {rules}"
+    );
     expect_inbound(&mut proxy, &pod, "after the reloads")?;
     let record: serde_json::Value =
         serde_json::from_slice(&std::fs::read(plugin.record_path(&pod))?)?;

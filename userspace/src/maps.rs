@@ -6,6 +6,7 @@ use std::path::Path;
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues, lpm_trie::LpmTrie};
 use sidestep_abi::{
     CidrKey, Counters, OrigDst, PodPolicy, PortKey, RerouteIf, RerouteIfKey, TupleKey, map_names,
+    program_names,
 };
 
 use crate::{error::MapsError, pins::PinLayout};
@@ -30,7 +31,8 @@ pub struct PolicyMaps {
     pub reroute_ifaces: RerouteIfMap,
     pub reroute_nat: RerouteNatMap,
     pub pod_capacity: u32,
-    identity: MapIdentity,
+    /// The kernel's ids of the maps above when they were opened (see [`MapIdentity`]).
+    opened: Vec<(&'static str, u32)>,
     layout: PinLayout,
 }
 
@@ -46,7 +48,13 @@ fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError>
     })?;
     // 0 (no id) never equals a live map's id, so a map whose info cannot be read counts as
     // replaced: the caller then does its work again rather than trust it.
-    let id = data.info().map_or(0, |i| i.id());
+    let id = data.info().map_or_else(
+        |e| {
+            tracing::warn!(map = name, error = %e, "cannot read the map's id");
+            0
+        },
+        |i| i.id(),
+    );
     let map = Map::from_map_data(data).map_err(|source| MapsError::Open { path, source })?;
     Ok((map, id))
 }
@@ -61,22 +69,50 @@ fn typed<T: TryFrom<Map, Error = MapError>>(
     T::try_from(map).map_err(|source| MapsError::Access { map: name, source })
 }
 
-/// Which maps a [`PolicyMaps`] wrote to: the kernel's ids of the maps behind their pins when
-/// they were opened.
+/// The programs per-pod links run: an enrolment attaches them, so a reload that replaced one
+/// between the attach and its own sweep of the links would leave the pod on the old one.
+const PER_POD_PROGRAMS: [&str; 4] = [
+    program_names::TC_INGRESS,
+    program_names::SK_LOOKUP,
+    program_names::REROUTE_INGRESS,
+    program_names::REROUTE_EGRESS,
+];
+
+/// What an enrolment wrote to and attached: the kernel's ids of the maps behind their pins (the
+/// [`PolicyMaps`] ones as they were opened, the rest of [`map_names::ALL`] when this was taken)
+/// and of the programs per-pod links run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MapIdentity {
     layout: PinLayout,
-    ids: Vec<(&'static str, u32)>,
+    maps: Vec<(&'static str, u32)>,
+    programs: Vec<(&'static str, u32)>,
+}
+
+fn pinned_map_id(layout: &PinLayout, name: &str) -> Option<u32> {
+    aya::maps::MapInfo::from_pin(layout.map(name))
+        .ok()
+        .map(|i| i.id())
+}
+
+fn pinned_program_id(layout: &PinLayout, name: &str) -> Option<u32> {
+    aya::programs::ProgramInfo::from_pin(layout.program(name))
+        .ok()
+        .map(|i| i.id())
 }
 
 impl MapIdentity {
-    /// Whether every pin still names the map that was opened. A reload that recreated a map
-    /// (new layout, or pins deleted behind the agent) pins a new one: what was written to the
-    /// old one no longer reaches the programs.
+    /// Whether every pin still names the map or program it named then. A reload that recreated
+    /// a map (new layout, or pins deleted behind the agent) pins a new one, and what was written
+    /// to the old one no longer reaches the programs; a new program pinned means links made
+    /// meanwhile may run the old one. A pin that cannot be read counts as changed.
     pub fn still_pinned(&self) -> bool {
-        self.ids.iter().all(|(name, id)| {
-            aya::maps::MapInfo::from_pin(self.layout.map(name)).is_ok_and(|i| i.id() == *id)
-        })
+        self.maps
+            .iter()
+            .all(|(name, id)| pinned_map_id(&self.layout, name) == Some(*id))
+            && self
+                .programs
+                .iter()
+                .all(|(name, id)| pinned_program_id(&self.layout, name) == Some(*id))
     }
 }
 
@@ -99,17 +135,29 @@ impl PolicyMaps {
             reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES, &mut ids)?,
             reroute_nat: typed(&layout, map_names::REROUTE_NAT, &mut ids)?,
             pod_capacity,
-            identity: MapIdentity {
-                layout: layout.clone(),
-                ids,
-            },
+            opened: ids,
             layout,
         })
     }
 
-    /// The maps these handles write to, to tell later whether they are still the pinned ones.
+    /// Taken just before an enrolment: these handles' maps as opened, and the other maps and the
+    /// per-pod programs as pinned now, to tell afterwards whether a reload came in between.
     pub fn identity(&self) -> MapIdentity {
-        self.identity.clone()
+        let mut maps = self.opened.clone();
+        for name in map_names::ALL {
+            if !maps.iter().any(|(n, _)| *n == name) {
+                maps.push((name, pinned_map_id(&self.layout, name).unwrap_or(0)));
+            }
+        }
+        let programs = PER_POD_PROGRAMS
+            .iter()
+            .map(|&name| (name, pinned_program_id(&self.layout, name).unwrap_or(0)))
+            .collect();
+        MapIdentity {
+            layout: self.layout.clone(),
+            maps,
+            programs,
+        }
     }
 
     /// The pending original-destination hand-over map (`SIDESTEP_PEND`), opened on demand: only

@@ -178,7 +178,9 @@ fn attach_sk_lookup(
     };
     if pin.exists() {
         if sk_lookup_attached(&pin) {
-            return Ok(());
+            // A re-enrolment after a reload: the link must run the program pinned now, which a
+            // reload's own sweep of the links can miss for a link pinned while it ran.
+            return follow_pinned_program(layout, &pin).map_err(io);
         }
         // Pinned but detached (an unenrolment killed between its detach and its unlink): a new
         // link replaces it.
@@ -220,6 +222,21 @@ pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
 
 /// Whether the netns link pinned at `pin` is attached: the kernel reports no netns once it was
 /// detached, or its netns died.
+/// Moves the link pinned at `pin` to the pinned sk_lookup program when it runs another one.
+fn follow_pinned_program(layout: &PinLayout, pin: &std::path::Path) -> std::io::Result<()> {
+    let link = crate::sys::obj_get(pin)?;
+    let prog_pin = layout.program(program_names::SK_LOOKUP);
+    let running = crate::sys::link_info(link.as_fd())?.prog_id;
+    let pinned = aya::programs::ProgramInfo::from_pin(&prog_pin)
+        .map(|i| i.id())
+        .map_err(std::io::Error::other)?;
+    if running != pinned {
+        let prog = crate::sys::obj_get(&prog_pin)?;
+        crate::sys::link_update(link.as_fd(), prog.as_fd())?;
+    }
+    Ok(())
+}
+
 fn sk_lookup_attached(pin: &std::path::Path) -> bool {
     crate::sys::obj_get(pin)
         .and_then(|link| crate::sys::link_info(link.as_fd()))

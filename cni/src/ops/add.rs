@@ -134,7 +134,12 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let enrolled = match ctx.dp.enroll(netns, &record.policy, ifname) {
         Ok(e) => e,
         Err(e) => {
-            unexact();
+            // Enrolment's own rollback of a first enrolment is best effort: keys it could not
+            // remove are named by no record, so the cookie's DEL must scan, not take the
+            // never-captured shortcut.
+            if let Err(e) = ctx.state.mark_unexact(cookie) {
+                tracing::warn!("{who}: {e}");
+            }
             restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
             unindex_failed(ctx, cookie, previous_cookie, &who);
             let err = e.to_cni();
@@ -172,6 +177,10 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         }
         restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
         unindex_failed(ctx, cookie, previous_cookie, &who);
+        // As for the first enrolment: a refusal of the input is not an outage.
+        if matches!(e.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
+            return Err(e);
+        }
         return fail(e);
     }
     failpoint("add:after-record");

@@ -57,11 +57,15 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
         );
     }
     // A pod the plugin never captured (skipped, or let through by FAIL_OPEN) has neither a
-    // record nor a pod entry: enrolment writes the pod entry before any link, and a killed ADD
-    // leaves a pending record. Nothing to undo, so no record reads or map scans, which on a
-    // node with many unmeshed pods would make their every DEL grow with the node.
-    let never_captured =
-        record.is_none() && !damaged && cookie.is_some_and(|c| !ctx.dp.is_enrolled(c));
+    // record nor a pod entry nor an index directory: enrolment writes the pod entry before any
+    // link, a killed ADD leaves a pending record, and any ADD that got as far as the maps has an
+    // index entry (a failed one's rollback may have left keys behind). Nothing to undo, so no
+    // record reads or map scans, which on a node with many unmeshed pods would make their every
+    // DEL grow with the node.
+    let never_captured = record.is_none()
+        && !damaged
+        && cookie
+            .is_some_and(|c| !ctx.state.index().cookie_dir(c).exists() && !ctx.dp.is_enrolled(c));
     if never_captured {
         tracing::debug!("DEL {cid}/{ifname}: never captured, nothing to unenrol");
     }

@@ -10,18 +10,19 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_CURRENT_NETNS, bpf_sock, bpf_sock_tuple},
     helpers::generated::{
-        bpf_get_netns_cookie, bpf_map_update_elem, bpf_sk_assign, bpf_sk_release,
-        bpf_skc_lookup_tcp,
+        bpf_get_netns_cookie, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_assign,
+        bpf_sk_release, bpf_skc_lookup_tcp,
     },
     macros::classifier,
     programs::TcContext,
 };
 use sidestep_abi::{
-    ListenerKey, OrigDst, PodPolicy, TupleKey, flags, linux, port_list, redirect_kind, socket_side,
+    InterfaceKey, ListenerKey, OrigDst, PodPolicy, TupleKey, flags, linux, port_list,
+    redirect_kind, socket_side,
 };
 
 use crate::{
-    maps::{SIDESTEP_ADDRS, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_PEND},
+    maps::{SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_PEND},
     packet::{Segment, parse_tcp},
     policy::{self, port_listed},
 };
@@ -142,6 +143,12 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
 /// it listens, which misses a proxy that listened before its pod was enrolled (a pod repaired by
 /// the agent, an ADD into a running netns) or before a reload made a new map; without this its
 /// SYNs onto TIME_WAIT 4-tuples would be refused for the whole TIME_WAIT period.
+///
+/// Only on an interface this pod captures inbound on: the lookup runs in the interface's netns,
+/// and the key names the pod by the destination address, so the two must be the same pod (an
+/// address two netns share must not let one pod's SYNs reach the other's proxy). An entry that
+/// is there already is kept: the kernel drops a closed socket from the map itself, and an update
+/// on every such SYN would take the listener's lock each time.
 #[inline(always)]
 fn remember_listener(
     ctx: &TcContext,
@@ -150,6 +157,16 @@ fn remember_listener(
     netns_cookie: u64,
     inbound_port: u16,
 ) {
+    // SAFETY: `ifindex` is a readable 4-byte field of __sk_buff.
+    let ifindex = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).ifindex) };
+    let iface = InterfaceKey {
+        netns_cookie,
+        ifindex,
+        _reserved: 0,
+    };
+    if SIDESTEP_IFACES.get_ptr(iface).is_none() {
+        return;
+    }
     let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {
         return;
     };
@@ -163,18 +180,24 @@ fn remember_listener(
             family,
             port: u32::from(inbound_port),
         };
+        let map = core::ptr::from_ref(&SIDESTEP_LSTN).cast_mut().cast();
+        let key_ptr = core::ptr::from_ref(&key).cast();
         // SAFETY: the map pointer is the BTF map definition the loader relocates (what aya's
-        // own wrappers pass); the key lives on this stack; the value is a referenced full
-        // listening socket, which the kernel checks again (sk_fullsock, state) under its lock.
-        // A failure leaves the map as it was: the SYN is then refused as before.
-        let _ = unsafe {
-            bpf_map_update_elem(
-                core::ptr::from_ref(&SIDESTEP_LSTN).cast_mut().cast(),
-                core::ptr::from_ref(&key).cast(),
-                listener.cast(),
-                0,
-            )
+        // own wrappers pass), the key lives on this stack. A sockhash lookup returns a
+        // referenced socket, released at once.
+        let present = unsafe {
+            let sk = bpf_map_lookup_elem(map, key_ptr);
+            if !sk.is_null() {
+                bpf_sk_release(sk);
+            }
+            !sk.is_null()
         };
+        if !present {
+            // SAFETY: as above; the value is a referenced full listening socket, which the
+            // kernel checks again (sk_fullsock, state) under its lock. A failure leaves the map
+            // as it was: the SYN is then refused as before.
+            let _ = unsafe { bpf_map_update_elem(map, key_ptr, listener.cast(), 0) };
+        }
     }
     // SAFETY: releases the reference skc_lookup took.
     unsafe { bpf_sk_release(listener.cast()) };

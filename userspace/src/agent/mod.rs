@@ -384,10 +384,7 @@ impl Agent {
         let reloaded = self.ensure_data_path();
         let at_start = std::mem::take(&mut *lock(&self.reenrol));
         let recreated = match &reloaded {
-            Ok(Some((_, r))) => reconcile::Recreated {
-                pods: r.pods || at_start.pods,
-                listeners: r.listeners || at_start.listeners,
-            },
+            Ok(Some((_, r))) => r.or(at_start),
             _ => at_start,
         };
         let mut report =

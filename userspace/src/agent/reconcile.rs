@@ -134,7 +134,20 @@ pub struct Recreated {
     pub pods: bool,
     /// The proxies' listeners (`SIDESTEP_LSTN`): pods on the sk_lookup hook lost theirs.
     pub listeners: bool,
+    /// Another map with per-pod entries (port and CIDR rules, addresses, interfaces, counters,
+    /// re-routed interfaces): pods still in the pod map lost part of their policy.
+    pub entries: bool,
 }
+
+/// Maps that hold per-pod entries besides the pod map.
+const ENTRY_MAPS: [&str; 6] = [
+    map_names::PORT_RULES,
+    map_names::CIDR_RULES,
+    map_names::COUNTERS,
+    map_names::POD_ADDRESSES,
+    map_names::INTERFACES,
+    map_names::REROUTE_IFACES,
+];
 
 impl Recreated {
     /// What is not pinned under `pin_root` now, and a load would create.
@@ -143,11 +156,21 @@ impl Recreated {
         Self {
             pods: !layout.map(map_names::POD_POLICY).exists(),
             listeners: !layout.map(map_names::LISTENERS).exists(),
+            entries: ENTRY_MAPS.iter().any(|m| !layout.map(m).exists()),
         }
     }
 
     pub fn any(self) -> bool {
-        self.pods || self.listeners
+        self.pods || self.listeners || self.entries
+    }
+
+    /// Either's maps.
+    pub fn or(self, other: Self) -> Self {
+        Self {
+            pods: self.pods || other.pods,
+            listeners: self.listeners || other.listeners,
+            entries: self.entries || other.entries,
+        }
     }
 }
 
@@ -303,7 +326,10 @@ fn reenrol(
         PolicyMaps::open(&s.pin_root).is_ok_and(|m| m.pods.get(&record.netns_cookie, 0).is_ok());
     let lost_listener =
         !recreated.pods && recreated.listeners && e.policy.inbound_hook == InboundHook::SkLookup;
-    if in_pod_map && !lost_listener {
+    // With only another per-pod map recreated, the pod map says nothing: every recorded pod
+    // lost part of its policy. Enrolment is idempotent, so one that an ADD completed after the
+    // reload is written again unchanged.
+    if in_pod_map && !lost_listener && !recreated.entries {
         return Ok(false);
     }
     // The reload emptied SIDESTEP_LSTN, and the pod's proxy will not listen again: only tc finds
