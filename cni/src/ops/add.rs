@@ -134,12 +134,9 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let enrolled = match ctx.dp.enroll(netns, &record.policy, ifname) {
         Ok(e) => e,
         Err(e) => {
-            // Enrolment's own rollback of a first enrolment is best effort: keys it could not
-            // remove are named by no record, so the cookie's DEL must scan, not take the
-            // never-captured shortcut.
-            if let Err(e) = ctx.state.mark_unexact(cookie) {
-                tracing::warn!("{who}: {e}");
-            }
+            // A refused ADD leaves the state dir as it was (a first enrolment's rollback removes
+            // what it wrote; deleting keys this process just inserted does not fail in practice).
+            unexact();
             restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
             unindex_failed(ctx, cookie, previous_cookie, &who);
             let err = e.to_cni();
