@@ -326,10 +326,12 @@ fn reenrol(
         PolicyMaps::open(&s.pin_root).is_ok_and(|m| m.pods.get(&record.netns_cookie, 0).is_ok());
     let lost_listener =
         !recreated.pods && recreated.listeners && e.policy.inbound_hook == InboundHook::SkLookup;
-    // With only another per-pod map recreated, the pod map says nothing: every recorded pod
-    // lost part of its policy. Enrolment is idempotent, so one that an ADD completed after the
-    // reload is written again unchanged.
-    if in_pod_map && !lost_listener && !recreated.entries {
+    // With the pod map recreated too, an entry in it was written after the reload, by an ADD
+    // that wrote the other maps as well. With only another per-pod map recreated, the pod map
+    // says nothing: every recorded pod lost part of its policy (enrolment is idempotent, so one
+    // an ADD completed after the reload is written again unchanged).
+    let lost_entries = recreated.entries && !recreated.pods;
+    if in_pod_map && !lost_listener && !lost_entries {
         return Ok(false);
     }
     // The reload emptied SIDESTEP_LSTN, and the pod's proxy will not listen again: only tc finds
