@@ -56,16 +56,21 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
              cookie; the agent's reconcile reports entries no record accounts for"
         );
     }
-    // A pod the plugin never captured (skipped, or let through by FAIL_OPEN) has neither a
-    // record nor a pod entry nor an index directory: enrolment writes the pod entry before any
-    // link, a killed ADD leaves a pending record, and any ADD that got as far as the maps has an
-    // index entry (a failed one's rollback may have left keys behind). Nothing to undo, so no
-    // record reads or map scans, which on a node with many unmeshed pods would make their every
-    // DEL grow with the node.
+    // A pod the plugin never captured (skipped, or let through by FAIL_OPEN) has no record, no
+    // pod entry, no index directory and no per-pod link: enrolment writes the pod entry before
+    // any link, and a killed ADD leaves a pending record and its index entry. Nothing to undo,
+    // so no record reads or map scans, which on a node with many unmeshed pods would make their
+    // every DEL grow with the node. (Keys a failed first enrolment's best-effort rollback could
+    // not delete are inert without a pod entry: every program looks the pod up first.)
     let never_captured = record.is_none()
         && !damaged
-        && cookie
-            .is_some_and(|c| !ctx.state.index().cookie_dir(c).exists() && !ctx.dp.is_enrolled(c));
+        && cookie.is_some_and(|c| {
+            !ctx.state.index().cookie_dir(c).exists()
+                && !ctx.dp.is_enrolled(c)
+                && !ctx.dp.has_sk_lookup(c)
+                && ctx.dp.attached_interfaces(c).is_empty()
+                && ctx.dp.reroute_pins(c).is_empty()
+        });
     if never_captured {
         tracing::debug!("DEL {cid}/{ifname}: never captured, nothing to unenrol");
     }
