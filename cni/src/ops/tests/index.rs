@@ -172,7 +172,7 @@ fn kills_between_steps_leave_nothing_a_retry_or_gc_does_not_finish() {
     h.no_index_left();
 
     // ADD killed after its pending record and retried: still a sole, exact enrolment.
-    super::pending_record(&h, "c1");
+    super::del::pending_record(&h, "c1");
     assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
     assert_eq!(h.index(101), ["c1@eth0"]);
     h.unenrolments();
@@ -182,7 +182,7 @@ fn kills_between_steps_leave_nothing_a_retry_or_gc_does_not_finish() {
 
     // A DEL of a pending record scans: its ADD may have stopped half-way through replacing an
     // earlier enrolment.
-    super::pending_record(&h, "c1");
+    super::del::pending_record(&h, "c1");
     assert!(h.run("DEL", "c1", "/run/netns/a", &conf).success);
     assert_eq!(h.unenrolments(), [(101, false)]);
     h.no_index_left();
