@@ -140,7 +140,12 @@ pub fn now_unix() -> u64 {
 }
 
 pub fn file_name(container_id: &str, ifname: &str) -> String {
-    format!("{container_id}@{ifname}.json")
+    record_file_of(&sidestep::stateindex::entry_name(container_id, ifname))
+}
+
+/// The record file an index entry (`<containerID>@<ifname>`) stands for.
+pub fn record_file_of(entry: &str) -> String {
+    format!("{entry}.json")
 }
 
 #[derive(Debug, Clone)]

@@ -31,13 +31,23 @@ pub struct PolicyMaps {
     pub reroute_ifaces: RerouteIfMap,
     pub reroute_nat: RerouteNatMap,
     pub pod_capacity: u32,
-    /// The kernel's ids of the maps above when they were opened (see [`MapIdentity`]).
-    opened: Vec<(&'static str, u32)>,
+    /// The maps above as the kernel described them when they were opened (see [`MapIdentity`]).
+    opened: Vec<Opened>,
     layout: PinLayout,
 }
 
-/// A pinned map, with the kernel's id of the map behind the pin when it was opened.
-fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError> {
+/// What the kernel said of a map when it was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Opened {
+    name: &'static str,
+    /// 0 (no id) never equals a live map's id, so a map whose info cannot be read counts as
+    /// replaced: the caller then does its work again rather than trust it.
+    id: u32,
+    max_entries: u32,
+}
+
+/// A pinned map, and what its info said when it was opened.
+fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, Opened), MapsError> {
     let path = layout.map(name);
     if !path.exists() {
         return Err(MapsError::NotLoaded(layout.root().to_path_buf()));
@@ -46,26 +56,31 @@ fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError>
         path: path.clone(),
         source,
     })?;
-    // 0 (no id) never equals a live map's id, so a map whose info cannot be read counts as
-    // replaced: the caller then does its work again rather than trust it.
-    let id = data.info().map_or_else(
+    let (id, max_entries) = data.info().map_or_else(
         |e| {
-            tracing::warn!(map = name, error = %e, "cannot read the map's id");
-            0
+            tracing::warn!(map = name, error = %e, "cannot read the map's info");
+            (0, 0)
         },
-        |i| i.id(),
+        |i| (i.id(), i.max_entries()),
     );
     let map = Map::from_map_data(data).map_err(|source| MapsError::Open { path, source })?;
-    Ok((map, id))
+    Ok((
+        map,
+        Opened {
+            name,
+            id,
+            max_entries,
+        },
+    ))
 }
 
 fn typed<T: TryFrom<Map, Error = MapError>>(
     layout: &PinLayout,
     name: &'static str,
-    ids: &mut Vec<(&'static str, u32)>,
+    opened: &mut Vec<Opened>,
 ) -> Result<T, MapsError> {
-    let (map, id) = open(layout, name)?;
-    ids.push((name, id));
+    let (map, info) = open(layout, name)?;
+    opened.push(info);
     T::try_from(map).map_err(|source| MapsError::Access { map: name, source })
 }
 
@@ -119,12 +134,9 @@ impl MapIdentity {
 impl PolicyMaps {
     pub fn open(pin_root: &Path) -> Result<Self, MapsError> {
         let layout = PinLayout::new(pin_root);
-        let pod_capacity = MapData::from_pin(layout.map(map_names::POD_POLICY))
-            .and_then(|m| m.info())
-            .map(|i| i.max_entries())
-            .unwrap_or(0);
         let mut ids = Vec::with_capacity(8);
         let pods: PodMap = typed(&layout, map_names::POD_POLICY, &mut ids)?;
+        let pod_capacity = ids[0].max_entries;
         Ok(Self {
             pods,
             ports: typed(&layout, map_names::PORT_RULES, &mut ids)?,
@@ -143,7 +155,8 @@ impl PolicyMaps {
     /// Taken just before an enrolment: these handles' maps as opened, and the other maps and the
     /// per-pod programs as pinned now, to tell afterwards whether a reload came in between.
     pub fn identity(&self) -> MapIdentity {
-        let mut maps = self.opened.clone();
+        let mut maps: Vec<(&'static str, u32)> =
+            self.opened.iter().map(|o| (o.name, o.id)).collect();
         for name in map_names::ALL {
             if !maps.iter().any(|(n, _)| *n == name) {
                 maps.push((name, pinned_map_id(&self.layout, name).unwrap_or(0)));

@@ -220,8 +220,6 @@ pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
     sk_lookup_attached(&sk_lookup_pin(layout, netns_cookie))
 }
 
-/// Whether the netns link pinned at `pin` is attached: the kernel reports no netns once it was
-/// detached, or its netns died.
 /// Moves the link pinned at `pin` to the pinned sk_lookup program when it runs another one.
 fn follow_pinned_program(layout: &PinLayout, pin: &std::path::Path) -> std::io::Result<()> {
     let link = crate::sys::obj_get(pin)?;
@@ -237,6 +235,8 @@ fn follow_pinned_program(layout: &PinLayout, pin: &std::path::Path) -> std::io::
     Ok(())
 }
 
+/// Whether the netns link pinned at `pin` is attached: the kernel reports no netns once it was
+/// detached, or its netns died.
 fn sk_lookup_attached(pin: &std::path::Path) -> bool {
     crate::sys::obj_get(pin)
         .and_then(|link| crate::sys::link_info(link.as_fd()))

@@ -63,7 +63,11 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     }
     policy.inbound_hook = inbound_hook(ctx, netns, &policy, &who);
 
+    // Refusals of the input are not outages: FAIL_OPEN does not cover them.
     let fail = |error: CniError| {
+        if matches!(error.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
+            return Err(error);
+        }
         uncaptured(
             ctx,
             Uncaptured {
@@ -134,17 +138,10 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let enrolled = match ctx.dp.enroll(netns, &record.policy, ifname) {
         Ok(e) => e,
         Err(e) => {
-            // A refused ADD leaves the state dir as it was (a first enrolment's rollback removes
-            // what it wrote; deleting keys this process just inserted does not fail in practice).
             unexact();
             restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
             unindex_failed(ctx, cookie, previous_cookie, &who);
-            let err = e.to_cni();
-            // Refusals of the input are not outages; FAIL_OPEN does not cover them.
-            if matches!(err.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
-                return Err(err);
-            }
-            return fail(err);
+            return fail(e.to_cni());
         }
     };
     failpoint("add:after-enroll");
@@ -174,10 +171,6 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         }
         restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
         unindex_failed(ctx, cookie, previous_cookie, &who);
-        // As for the first enrolment: a refusal of the input is not an outage.
-        if matches!(e.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
-            return Err(e);
-        }
         return fail(e);
     }
     failpoint("add:after-record");

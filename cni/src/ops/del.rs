@@ -65,11 +65,12 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
     let never_captured = record.is_none()
         && !damaged
         && cookie.is_some_and(|c| {
+            // The pin and directory checks first: the pod map is the one that opens maps.
             !ctx.state.index().cookie_dir(c).exists()
-                && !ctx.dp.is_enrolled(c)
                 && !ctx.dp.has_sk_lookup(c)
                 && ctx.dp.attached_interfaces(c).is_empty()
                 && ctx.dp.reroute_pins(c).is_empty()
+                && !ctx.dp.is_enrolled(c)
         });
     if never_captured {
         tracing::debug!("DEL {cid}/{ifname}: never captured, nothing to unenrol");

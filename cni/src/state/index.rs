@@ -10,7 +10,7 @@ use std::{
 
 use sidestep::stateindex::{INCOMPLETE, Index, SHARED, entry_name};
 
-use super::{AttachmentRecord, StateDir, StateError, salvage_cookie};
+use super::{AttachmentRecord, StateDir, StateError, record_file_of, salvage_cookie};
 
 /// An entry or marker younger than this may belong to an ADD under way (it makes its entry
 /// just before its record), so GC leaves it.
@@ -40,7 +40,7 @@ impl StateDir {
 
     /// Whether the record named by the index entry `entry` exists and names `cookie`.
     fn confirms(&self, entry: &str, cookie: u64) -> bool {
-        let path = self.root.join(format!("{entry}.json"));
+        let path = self.root.join(record_file_of(entry));
         matches!(Self::read_json::<AttachmentRecord>(&path), Ok(Some(r)) if r.netns_cookie == cookie)
     }
 
@@ -169,7 +169,7 @@ impl StateDir {
             let mut left = 0;
             for e in &l.entries {
                 let path = dir.join(e);
-                let record = self.root.join(format!("{e}.json"));
+                let record = self.root.join(record_file_of(e));
                 let stale = !self.confirms(e, cookie)
                     && salvage_cookie(&record).is_none_or(|c| c != cookie);
                 if !stale || !old(&path) {

@@ -182,6 +182,30 @@ pub(super) fn cidr_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(u32, CidrK
         .collect()
 }
 
+/// Deletes the pod's port and CIDR rules (scanned or recorded, as the caller found them) and its
+/// counters.
+fn remove_rules(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    ports: &[PortKey],
+    cidrs: &[(u32, CidrKey)],
+    first: &mut FirstError,
+) {
+    for key in ports {
+        first.note(deleted(map_names::PORT_RULES, maps.ports.remove(key)));
+    }
+    for (bits, data) in cidrs {
+        first.note(deleted(
+            map_names::CIDR_RULES,
+            maps.cidrs.remove(&Key::new(*bits, *data)),
+        ));
+    }
+    first.note(deleted(
+        map_names::COUNTERS,
+        maps.counters.remove(&netns_cookie),
+    ));
+}
+
 /// The pod entry goes first: from then on the programs ignore the pod's rules.
 fn remove_pod_entry(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool, MapsError> {
     let was_enrolled = deleted(map_names::POD_POLICY, maps.pods.remove(&netns_cookie))?;
@@ -194,19 +218,8 @@ fn remove_pod_entry(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool, Ma
 pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool, MapsError> {
     let was_enrolled = remove_pod_entry(maps, netns_cookie)?;
     let mut first = FirstError::default();
-    for key in port_keys(maps, netns_cookie) {
-        first.note(deleted(map_names::PORT_RULES, maps.ports.remove(&key)));
-    }
-    for (bits, data) in cidr_keys(maps, netns_cookie) {
-        first.note(deleted(
-            map_names::CIDR_RULES,
-            maps.cidrs.remove(&Key::new(bits, data)),
-        ));
-    }
-    first.note(deleted(
-        map_names::COUNTERS,
-        maps.counters.remove(&netns_cookie),
-    ));
+    let (ports, cidrs) = (port_keys(maps, netns_cookie), cidr_keys(maps, netns_cookie));
+    remove_rules(maps, netns_cookie, &ports, &cidrs, &mut first);
     first.note(remove_addresses(maps, netns_cookie, &[]));
     first.note(remove_interfaces(maps, netns_cookie, &[]));
     first.note(remove_reroute(maps, netns_cookie, &[]));
@@ -241,19 +254,13 @@ pub fn unenroll_recorded(
     }
     let was_enrolled = remove_pod_entry(maps, netns_cookie)?;
     let mut first = FirstError::default();
-    for key in &entries.ports {
-        first.note(deleted(map_names::PORT_RULES, maps.ports.remove(key)));
-    }
-    for (bits, data) in &entries.cidrs {
-        first.note(deleted(
-            map_names::CIDR_RULES,
-            maps.cidrs.remove(&Key::new(*bits, *data)),
-        ));
-    }
-    first.note(deleted(
-        map_names::COUNTERS,
-        maps.counters.remove(&netns_cookie),
-    ));
+    remove_rules(
+        maps,
+        netns_cookie,
+        &entries.ports,
+        &entries.cidrs,
+        &mut first,
+    );
     // An address is the key, and a later pod given the same IP owns it now: delete only ours.
     for addr in &entries.addresses {
         if maps.addresses.get(addr, 0).is_ok_and(|c| c == netns_cookie) {
