@@ -13,7 +13,7 @@ use sidestep::{
     maps::{MapIdentity, PolicyMaps},
     netns::Netns,
     pins::PinLayout,
-    policy::Policy,
+    policy::{InboundHook, Policy},
     tc,
 };
 
@@ -39,6 +39,8 @@ pub trait Dataplane {
     /// Whether the cookie is in the pod map; `true` when that cannot be read (the answer decides
     /// only whether the index marks the cookie for the slow, always correct path).
     fn is_enrolled(&self, cookie: u64) -> bool;
+    /// The inbound hook the cookie is enrolled with (another attachment's ADD), if it is.
+    fn enrolled_hook(&self, cookie: u64) -> Option<InboundHook>;
     /// Removes a cookie's entries (found by scanning the maps) and tc links; `Ok(false)` when it
     /// had none. Succeeds when the programs are not loaded at all (there is nothing left to
     /// remove).
@@ -46,10 +48,28 @@ pub trait Dataplane {
     /// [`Dataplane::unenroll`] of the keys a recorded enrolment wrote
     /// ([`enroll::unenroll_recorded`]), for a record that describes the whole enrolment.
     fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError>;
+    /// Removes one attachment of a pod that other attachments keep enrolled
+    /// ([`enroll::unenroll_attachment`]).
+    fn unenroll_attachment(
+        &self,
+        cookie: u64,
+        ifname: &str,
+        addresses: &[std::net::IpAddr],
+        inbound_ifindexes: &[u32],
+    ) -> Result<(), EnrollError>;
     fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError>;
     fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
     /// Whether the pod's netns has its pinned sk_lookup link.
     fn has_sk_lookup(&self, cookie: u64) -> bool;
+    /// Whether the pod's netns has its pinned identity link ([`sidestep::identity`]).
+    fn has_identity(&self, cookie: u64) -> bool;
+    /// Those of `addresses` that `SIDESTEP_ADDRS` does not map to `cookie` (all of them when
+    /// the map cannot be read).
+    fn missing_addresses(
+        &self,
+        cookie: u64,
+        addresses: &[std::net::IpAddr],
+    ) -> Vec<std::net::IpAddr>;
     /// The pod's pinned re-route links (`<ifname>:reroute-ingress`, `…:reroute-egress`).
     fn reroute_pins(&self, cookie: u64) -> Vec<String>;
     /// Whether a TCP socket in the netns already listens on `port`; an error when it cannot
@@ -138,6 +158,11 @@ impl Dataplane for Pinned {
             .is_some_and(MapIdentity::still_pinned)
     }
 
+    fn enrolled_hook(&self, cookie: u64) -> Option<InboundHook> {
+        let maps = PolicyMaps::open(&self.pin_root).ok()?;
+        InboundHook::of_pod_flags(maps.pods.get(&cookie, 0).ok()?.flags)
+    }
+
     fn is_enrolled(&self, cookie: u64) -> bool {
         let Ok(maps) = PolicyMaps::open(&self.pin_root) else {
             return true;
@@ -190,6 +215,29 @@ impl Dataplane for Pinned {
         tc::has_sk_lookup(&PinLayout::new(&self.pin_root), cookie)
     }
 
+    fn has_identity(&self, cookie: u64) -> bool {
+        tc::has_identity(&PinLayout::new(&self.pin_root), cookie)
+    }
+
+    fn missing_addresses(
+        &self,
+        cookie: u64,
+        addresses: &[std::net::IpAddr],
+    ) -> Vec<std::net::IpAddr> {
+        let Ok(maps) = PolicyMaps::open(&self.pin_root) else {
+            return addresses.to_vec();
+        };
+        addresses
+            .iter()
+            .filter(|ip| {
+                maps.addresses
+                    .get(&sidestep::policy::address_words(ip), 0)
+                    .map_or(true, |owner| owner != cookie)
+            })
+            .copied()
+            .collect()
+    }
+
     fn reroute_pins(&self, cookie: u64) -> Vec<String> {
         tc::reroute_pins(&PinLayout::new(&self.pin_root), cookie)
     }
@@ -199,6 +247,26 @@ impl Dataplane for Pinned {
         let found = ns.run(|| sidestep::netns::tcp_listening_on(port));
         *self.opened.borrow_mut() = Some(ns);
         found
+    }
+
+    fn unenroll_attachment(
+        &self,
+        cookie: u64,
+        ifname: &str,
+        addresses: &[std::net::IpAddr],
+        inbound_ifindexes: &[u32],
+    ) -> Result<(), EnrollError> {
+        match enroll::unenroll_attachment(
+            &self.pin_root,
+            cookie,
+            ifname,
+            addresses,
+            inbound_ifindexes,
+        ) {
+            // Not loaded: nothing of it is in any map.
+            Err(EnrollError::Maps(MapsError::NotLoaded(_))) => Ok(()),
+            other => other,
+        }
     }
 
     fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr> {
@@ -231,6 +299,11 @@ pub fn enroll_error(e: &EnrollError) -> CniError {
         EnrollError::Netns(n) => netns_error(n),
         EnrollError::Maps(MapsError::NotLoaded(root)) => not_loaded(root),
         EnrollError::Policy(p) => CniError::new(code::INVALID_CONFIG, p.to_string()),
+        // The other pod's DEL, or the agent's GC of a dead one, releases the address.
+        EnrollError::Maps(owned @ MapsError::AddressOwned { .. }) => CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("cannot enrol the pod: {owned}"),
+        ),
         other => CniError::new(
             code::ENROLL_FAILED,
             format!("cannot enrol the pod: {other}"),

@@ -84,6 +84,11 @@ pub struct AttachmentRecord {
     /// pending records and in records of older plugins (DEL then finds the keys by a scan).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inbound_ifindexes: Option<Vec<u32>>,
+    /// The keys enrolment derived from the netns (its addresses, excluded interfaces, routes),
+    /// and the addresses of this attachment's interface. Absent in pending records and in
+    /// records of older plugins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns_keys: Option<sidestep::enroll::NetnsKeys>,
     pub pod_name: Option<String>,
     pub pod_namespace: Option<String>,
     pub mesh: String,
@@ -415,6 +420,7 @@ mod tests {
             netns_cookie: 42,
             interfaces: vec!["eth0".into()],
             inbound_ifindexes: Some(vec![2]),
+            netns_keys: None,
             pod_name: Some("web".into()),
             pod_namespace: Some("default".into()),
             mesh: "istio".into(),

@@ -229,7 +229,7 @@ impl Plugin {
         }
         let mut pod_link_pins = Vec::new();
         let links_dir = self.pin_root.join("links");
-        for d in ["tc", "sklookup"] {
+        for d in ["tc", "sklookup", "podid"] {
             tree(&links_dir.join(d), &links_dir, &mut pod_link_pins);
         }
         pod_link_pins.sort();

@@ -8,13 +8,20 @@
 //! the cookie (the safety net, for callers that do not know what was written), and by deleting
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
+mod facts;
 mod unenroll;
 
-use std::{collections::HashSet, path::Path};
+use std::{collections::HashSet, net::IpAddr, path::Path};
 
 use aya::maps::lpm_trie::Key;
-use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, flags, map_names};
-pub use unenroll::{Recorded, unenroll, unenroll_by_cookie, unenroll_cookie, unenroll_recorded};
+pub use facts::{NetnsFacts, NetnsKeys, Route};
+use sidestep_abi::{
+    CidrKey, InterfaceKey, PortKey, RerouteIfKey, cidr_list, flags, iface_kind, map_names,
+    route_via,
+};
+pub use unenroll::{
+    Recorded, unenroll, unenroll_attachment, unenroll_by_cookie, unenroll_cookie, unenroll_recorded,
+};
 use unenroll::{cidr_keys, port_keys, remove_addresses, remove_interfaces, remove_reroute};
 
 use crate::{
@@ -36,6 +43,8 @@ pub struct Enrolled {
     /// Their ifindexes inside the pod (`interfaces`' order): the keys this enrolment wrote to
     /// `SIDESTEP_IFACES`, which [`unenroll_recorded`] deletes without a scan.
     pub inbound_ifindexes: Vec<u32>,
+    /// The keys written from what the netns held.
+    pub netns_keys: NetnsKeys,
 }
 
 /// Enrols the netns at `netns_path` with `policy`. Re-enrolling replaces the old policy in place.
@@ -67,13 +76,23 @@ pub fn enroll_netns(
     let netns_cookie = netns.cookie()?;
     let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);
     let was_enrolled = previous_flags.is_some();
-    let entries = policy.to_map_entries(netns_cookie);
+    let facts = facts::read(netns, !policy.exclude_interfaces.is_empty())?;
+    let mut entries = policy.to_map_entries(netns_cookie);
+    let netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
+    entries
+        .addresses
+        .extend(netns_keys.addresses.iter().map(address_words));
     // TPROXY's return route goes in before the pod entry that starts marking connections.
     let tproxy_mode = entries.pod.flags & flags::TPROXY != 0;
     if tproxy_mode {
         tproxy::configure(netns, true)?;
     }
-    if let Err(e) = write_entries(&mut maps, netns_cookie, &entries) {
+    let written = write_netns_keys(&mut maps, netns_cookie, &netns_keys, was_enrolled)
+        .and_then(|()| write_entries(&mut maps, netns_cookie, &entries));
+    if let Err(e) = written {
+        if !was_enrolled {
+            let _ = unenroll_cookie(&mut maps, netns_cookie);
+        }
         if tproxy_mode && !was_enrolled {
             let _ = tproxy::configure(netns, false);
         }
@@ -103,7 +122,18 @@ pub fn enroll_netns(
         ) {
             Ok(a) => {
                 crate::sys::failpoint("enroll:after-links");
-                if let Err(e) = set_interfaces(&mut maps, netns_cookie, &a, was_enrolled) {
+                let tc_links: Vec<u32> = tc::attached_interfaces(&layout, netns_cookie)
+                    .iter()
+                    .filter_map(|n| facts.ifindex(n))
+                    .collect();
+                if let Err(e) = set_interfaces(
+                    &mut maps,
+                    netns_cookie,
+                    &a,
+                    &tc_links,
+                    &netns_keys,
+                    was_enrolled,
+                ) {
                     if !was_enrolled {
                         let _ = unenroll_cookie(&mut maps, netns_cookie);
                         let _ = tc::detach_inbound(&layout, netns_cookie);
@@ -154,7 +184,150 @@ pub fn enroll_netns(
         entries,
         interfaces,
         inbound_ifindexes,
+        netns_keys,
     })
+}
+
+fn address_words(ip: &IpAddr) -> [u32; 4] {
+    crate::policy::address_words(ip)
+}
+
+/// Whether `addr` belongs to an enrolled pod other than `netns_cookie`.
+fn owned_by_other_pod(maps: &PolicyMaps, addr: &[u32; 4], netns_cookie: u64) -> Option<u64> {
+    let owner = maps.addresses.get(addr, 0).ok()?;
+    (owner != netns_cookie && maps.pods.get(&owner, 0).is_ok()).then_some(owner)
+}
+
+/// The keys this enrolment derives from the netns: every address of every interface (an
+/// address another live pod owns is left to it: the identity program still names this pod for
+/// its connections), the excluded and re-routed interfaces present, and the routes of a pod with
+/// excluded interfaces.
+fn netns_keys(
+    maps: &PolicyMaps,
+    netns_cookie: u64,
+    policy: &Policy,
+    facts: &NetnsFacts,
+    entries: &MapEntries,
+    interfaces: Option<&[String]>,
+) -> NetnsKeys {
+    let mut addresses: Vec<IpAddr> = Vec::new();
+    for (_, ip) in &facts.addresses {
+        let words = address_words(ip);
+        if entries.addresses.contains(&words) || addresses.contains(ip) {
+            continue;
+        }
+        if let Some(owner) = owned_by_other_pod(maps, &words, netns_cookie) {
+            tracing::warn!(
+                netns_cookie,
+                "address {ip} of the netns is already registered to netns cookie {owner}; it \
+                 stays with that pod"
+            );
+            continue;
+        }
+        addresses.push(*ip);
+    }
+    let mut interface_addresses: Vec<IpAddr> = policy.pod_ips.clone();
+    for name in interfaces.unwrap_or_default() {
+        for ip in facts.addresses_of(name) {
+            if !interface_addresses.contains(&ip) {
+                interface_addresses.push(ip);
+            }
+        }
+    }
+    let ifindexes =
+        |names: &[String]| -> Vec<u32> { names.iter().filter_map(|n| facts.ifindex(n)).collect() };
+    let excluded_ifindexes = ifindexes(&policy.exclude_interfaces);
+    let rerouted_ifindexes: Vec<u32> = ifindexes(&policy.reroute_virtual_interfaces)
+        .into_iter()
+        .filter(|i| !excluded_ifindexes.contains(i))
+        .collect();
+    NetnsKeys {
+        addresses,
+        interface_addresses,
+        excluded_ifindexes,
+        rerouted_ifindexes,
+        routes: facts.routes.clone(),
+    }
+}
+
+/// The `SIDESTEP_CIDRS` entry of one route: (prefix bits, key data, `route_via` value).
+pub(crate) fn route_entry(
+    netns_cookie: u64,
+    route: &Route,
+    excluded: &[u32],
+) -> Option<(u32, CidrKey, u8)> {
+    let net = ipnet::IpNet::new(route.destination, route.prefix_len).ok()?;
+    let (bits, data) = crate::policy::cidr_entry(netns_cookie, cidr_list::ROUTE, &net.trunc());
+    let via = if excluded.contains(&route.ifindex) {
+        route_via::EXCLUDED
+    } else {
+        route_via::OTHER
+    };
+    Some((bits, data, via))
+}
+
+/// Writes the excluded and re-routed interface keys and the route entries, replacing what an
+/// earlier enrolment of the cookie derived (found by a scan, which a first enrolment skips).
+fn write_netns_keys(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    keys: &NetnsKeys,
+    was_enrolled: bool,
+) -> Result<(), MapsError> {
+    let iface = |ifindex: u32| InterfaceKey {
+        netns_cookie,
+        ifindex,
+        _reserved: 0,
+    };
+    for (list, kind) in [
+        (&keys.excluded_ifindexes, iface_kind::EXCLUDED),
+        (&keys.rerouted_ifindexes, iface_kind::REROUTED),
+    ] {
+        for &ifindex in list {
+            maps.interfaces
+                .insert(iface(ifindex), kind, 0)
+                .map_err(|e| classify(map_names::INTERFACES, 0, e))?;
+        }
+    }
+    let routes: Vec<(u32, CidrKey, u8)> = keys
+        .routes
+        .iter()
+        .filter_map(|r| route_entry(netns_cookie, r, &keys.excluded_ifindexes))
+        .collect();
+    for (bits, data, via) in &routes {
+        maps.cidrs
+            .insert(&Key::new(*bits, *data), *via, 0)
+            .map_err(|e| classify(map_names::CIDR_RULES, 0, e))?;
+    }
+    if was_enrolled {
+        let route_list = cidr_list::ROUTE.to_be();
+        for (bits, data) in cidr_keys(maps, netns_cookie) {
+            if data.list_be == route_list && !routes.iter().any(|r| (r.0, r.1) == (bits, data)) {
+                let _ = maps.cidrs.remove(&Key::new(bits, data));
+            }
+        }
+        let wanted: Vec<u32> = keys
+            .excluded_ifindexes
+            .iter()
+            .chain(&keys.rerouted_ifindexes)
+            .copied()
+            .collect();
+        let stale: Vec<InterfaceKey> = maps
+            .interfaces
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, kind)| {
+                k.netns_cookie == netns_cookie
+                    && *kind != iface_kind::TC
+                    && !wanted.contains(&k.ifindex)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for key in stale {
+            let _ = maps.interfaces.remove(&key);
+        }
+    }
+    Ok(())
 }
 
 /// Writes a pod's entries; on failure removes whatever this call added, and leaves an earlier
@@ -171,7 +344,11 @@ pub fn write_entries(
     let (old_ports, old_cidrs): (HashSet<PortKey>, Vec<(u32, CidrKey)>) = if previous.is_some() {
         (
             port_keys(maps, netns_cookie).into_iter().collect(),
-            cidr_keys(maps, netns_cookie),
+            // The route list is the netns's, written by `write_netns_keys`.
+            cidr_keys(maps, netns_cookie)
+                .into_iter()
+                .filter(|(_, k)| k.list_be != cidr_list::ROUTE.to_be())
+                .collect(),
         )
     } else {
         (HashSet::new(), Vec::new())
@@ -196,6 +373,14 @@ pub fn write_entries(
             }
         }
         for addr in &entries.addresses {
+            // Taking over a live pod's address would send its inbound SYNs here, and this
+            // enrolment's rollback would then delete its entry.
+            if let Some(owner) = owned_by_other_pod(maps, addr, netns_cookie) {
+                return Err(MapsError::AddressOwned {
+                    address: crate::policy::words_address(addr),
+                    owner,
+                });
+            }
             maps.addresses
                 .insert(addr, netns_cookie, 0)
                 .map_err(|e| classify(map_names::POD_ADDRESSES, 0, e))?;
@@ -240,30 +425,39 @@ pub fn write_entries(
     Ok(())
 }
 
-/// Records which interfaces carry inbound capture, replacing the pod's earlier set. A first
-/// enrolment has no earlier set (netns cookies are never reused), so it skips the map scan that
-/// would make ADD cost grow with the node's pods.
+/// Records which interfaces carry this enrolment's tc program. Keys of other interfaces stay
+/// when they still carry a tc link (another attachment's) or are excluded (`write_netns_keys`
+/// owns those); the rest of the pod's earlier set goes. A first enrolment has no earlier set
+/// (netns cookies are never reused), so it skips the map scan that would make ADD cost grow
+/// with the node's pods.
 fn set_interfaces(
     maps: &mut PolicyMaps,
     netns_cookie: u64,
     attached: &[(String, u32)],
+    tc_links: &[u32],
+    netns_keys: &NetnsKeys,
     was_enrolled: bool,
 ) -> Result<(), MapsError> {
-    let keys: Vec<InterfaceKey> = attached
-        .iter()
-        .map(|(_, ifindex)| InterfaceKey {
-            netns_cookie,
-            ifindex: *ifindex,
-            _reserved: 0,
-        })
-        .collect();
-    for key in &keys {
+    let key = |ifindex: u32| InterfaceKey {
+        netns_cookie,
+        ifindex,
+        _reserved: 0,
+    };
+    let keys: Vec<InterfaceKey> = attached.iter().map(|(_, i)| key(*i)).collect();
+    for k in &keys {
         maps.interfaces
-            .insert(key, 1, 0)
+            .insert(k, iface_kind::TC, 0)
             .map_err(|e| classify(map_names::INTERFACES, 0, e))?;
     }
     if was_enrolled {
-        let _ = remove_interfaces(maps, netns_cookie, &keys);
+        let keep: Vec<InterfaceKey> = keys
+            .iter()
+            .copied()
+            .chain(tc_links.iter().map(|i| key(*i)))
+            .chain(netns_keys.excluded_ifindexes.iter().map(|i| key(*i)))
+            .chain(netns_keys.rerouted_ifindexes.iter().map(|i| key(*i)))
+            .collect();
+        let _ = remove_interfaces(maps, netns_cookie, &keep);
     }
     Ok(())
 }

@@ -95,6 +95,14 @@ pub enum MapsError {
     Cpus(String),
     #[error("map {map} is full ({capacity} entries); unenrol pods or load with a larger capacity")]
     Full { map: &'static str, capacity: u32 },
+    #[error(
+        "pod address {address} is registered to another enrolled pod (netns cookie {owner}); \
+         refusing to take it over (its DEL or the agent's GC releases it)"
+    )]
+    AddressOwned {
+        address: std::net::IpAddr,
+        owner: u64,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

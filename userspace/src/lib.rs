@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod enroll;
 pub mod error;
+pub mod identity;
 pub mod loader;
 pub mod maps;
 pub mod mounts;

@@ -58,6 +58,12 @@ impl Netns {
         &self.path
     }
 
+    /// The namespace this value was opened and checked as. Attach to it through this fd, never
+    /// by opening the path again: a `/proc/PID/ns/net` path can name another netns by then.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
     /// The host netns is the one init (PID 1) lives in. Where PID 1's namespace is hidden (a
     /// sandbox), the netns this process runs in stands for it: the plugin and the agent run in the
     /// host netns.

@@ -212,6 +212,17 @@ pub enum InboundHook {
 }
 
 impl InboundHook {
+    /// The hook an enrolled pod entry's flags say it has; `None` without inbound capture.
+    pub fn of_pod_flags(pod_flags: u32) -> Option<Self> {
+        if pod_flags & flags::INBOUND == 0 {
+            None
+        } else if pod_flags & flags::INBOUND_SK_LOOKUP != 0 {
+            Some(Self::SkLookup)
+        } else {
+            Some(Self::Tc)
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Tc => "tc",
@@ -314,6 +325,16 @@ pub struct MapEntries {
     pub addresses: Vec<[u32; 4]>,
 }
 
+/// The address an entry of `SIDESTEP_ADDRS` names ([`address_words`] reversed).
+pub fn words_address(words: &[u32; 4]) -> IpAddr {
+    let mut o = [0u8; 16];
+    for (i, w) in words.iter().enumerate() {
+        o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    let v6 = Ipv6Addr::from(o);
+    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+}
+
 /// An address as the programs see it: IPv6 words in network byte order, IPv4 mapped.
 pub fn address_words(ip: &IpAddr) -> [u32; 4] {
     let v6 = match ip {
@@ -326,7 +347,7 @@ pub fn address_words(ip: &IpAddr) -> [u32; 4] {
     })
 }
 
-fn cidr_entry(netns_cookie: u64, list: u32, net: &IpNet) -> (u32, CidrKey) {
+pub(crate) fn cidr_entry(netns_cookie: u64, list: u32, net: &IpNet) -> (u32, CidrKey) {
     let (addr, bits) = match net {
         IpNet::V4(n) => (n.network().to_ipv6_mapped(), 96 + u32::from(n.prefix_len())),
         IpNet::V6(n) => (n.network(), u32::from(n.prefix_len())),
@@ -478,6 +499,11 @@ impl Policy {
         }
         if self.inbound_hook == InboundHook::SkLookup {
             f |= flags::INBOUND_SK_LOOKUP;
+        }
+        // Inbound capture is netns-wide, with the excluded interfaces listed apart.
+        f |= flags::NETNS_WIDE;
+        if !self.exclude_interfaces.is_empty() {
+            f |= flags::HAS_EXCLUDED_IFACES;
         }
         cidrs.sort_by_key(|c| (c.0, c.1.list_be, c.1.addr));
         cidrs.dedup();

@@ -148,6 +148,11 @@ fn has_tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
+/// Detaches the link pinned at `pin` and removes the pin.
+pub fn detach_link_pin(pin: &std::path::Path) {
+    detach_links_under_file(pin);
+}
+
 fn detach_links_under_file(pin: &std::path::Path) {
     if let Ok(link) = crate::sys::obj_get(pin) {
         use std::os::fd::AsFd as _;
@@ -163,8 +168,10 @@ pub fn sk_lookup_pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
         .join(netns_cookie.to_string())
 }
 
-/// The pod's sk_lookup link (the kernel's listener lookup: every captured SYN with the sk_lookup
-/// hook, those tc leaves to it with tc). Made with raw bpf(2) calls: loading a pinned program
+/// The pod's sk_lookup links: its identity program first, then the shared program (the kernel's
+/// listener lookup: every captured SYN with the sk_lookup hook, those tc leaves to it with tc).
+/// A netns runs its sk_lookup programs in attach order, and the shared one learns the pod from
+/// the identity one ([`crate::identity`]). Made with raw bpf(2) calls: loading a pinned program
 /// through aya first probes the kernel's features, a dozen test loads that an ADD need not pay.
 fn attach_sk_lookup(
     layout: &PinLayout,
@@ -172,38 +179,74 @@ fn attach_sk_lookup(
     netns_cookie: u64,
 ) -> Result<(), crate::error::NetnsError> {
     let pin = sk_lookup_pin(layout, netns_cookie);
+    let id_pin = crate::identity::pin(layout, netns_cookie);
     let io = |e: std::io::Error| crate::error::NetnsError::Enter {
         path: netns.path().to_path_buf(),
         source: e,
     };
-    if pin.exists() {
-        if sk_lookup_attached(&pin) {
-            // A re-enrolment after a reload: the link must run the program pinned now, which a
-            // reload's own sweep of the links can miss for a link pinned while it ran.
-            return follow_pinned_program(layout, &pin).map_err(io);
+    let shared_attached = pin.exists() && sk_lookup_attached(&pin);
+    let identity_attached = id_pin.exists() && sk_lookup_attached(&id_pin);
+    for p in [&pin, &id_pin] {
+        mkdir_private(p.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
+    }
+    let nsid = crate::sys::obj_get(&layout.map(sidestep_abi::map_names::POD_IDENTITY))
+        .map_err(|e| io(std::io::Error::other(format!("open SIDESTEP_NSID: {e}"))))?;
+    let id_prog = crate::identity::load(nsid.as_fd(), netns_cookie).map_err(io)?;
+    if identity_attached {
+        // A fresh program in place (the link keeps its place in the order): a reload may have
+        // recreated the map the old one writes.
+        let link = crate::sys::obj_get(&id_pin).map_err(io)?;
+        crate::sys::link_update(link.as_fd(), id_prog.as_fd()).map_err(io)?;
+    } else {
+        if id_pin.exists() {
+            fs::remove_file(&id_pin).map_err(io)?;
         }
+        link_netns(id_prog.as_fd(), netns, &id_pin).map_err(io)?;
+    }
+    if shared_attached && identity_attached {
+        // A re-enrolment after a reload: the link must run the program pinned now, which a
+        // reload's own sweep of the links can miss for a link pinned while it ran.
+        return follow_pinned_program(layout, &pin).map_err(io);
+    }
+    let prog = crate::sys::obj_get(&layout.program(program_names::SK_LOOKUP)).map_err(io)?;
+    if shared_attached {
+        // Enrolled by a version without the identity program, whose link now runs after the
+        // shared one: a second shared link goes in after it, replaces the first one's pin in one
+        // rename, and then the first one is detached. The pod is captured throughout.
+        let old = crate::sys::obj_get(&pin).map_err(io)?;
+        let staged = pin.with_file_name(format!("{netns_cookie}-new"));
+        let _ = fs::remove_file(&staged);
+        link_netns(prog.as_fd(), netns, &staged).map_err(io)?;
+        fs::rename(&staged, &pin).map_err(io)?;
+        crate::sys::link_detach(old.as_fd()).map_err(io)?;
+        return Ok(());
+    }
+    if pin.exists() {
         // Pinned but detached (an unenrolment killed between its detach and its unlink): a new
         // link replaces it.
         fs::remove_file(&pin).map_err(io)?;
     }
-    mkdir_private(pin.parent().unwrap_or(layout.links_dir().as_path())).map_err(io)?;
-    let prog = crate::sys::obj_get(&layout.program(program_names::SK_LOOKUP)).map_err(io)?;
-    let netns_file = fs::File::open(netns.path()).map_err(io)?;
+    link_netns(prog.as_fd(), netns, &pin).map_err(io)
+}
+
+/// Attaches `prog` as the netns's next sk_lookup program and pins the link at `pin`.
+fn link_netns(prog: std::os::fd::BorrowedFd<'_>, netns: &Netns, pin: &Path) -> std::io::Result<()> {
     let link = crate::sys::link_create(
-        prog.as_fd(),
-        netns_file.as_fd(),
+        prog,
+        netns.fd(),
         aya_obj::generated::bpf_attach_type::BPF_SK_LOOKUP,
     )
-    .map_err(|e| io(std::io::Error::other(format!("attach sk_lookup: {e}"))))?;
-    crate::sys::obj_pin(link.as_fd(), &pin)
-        .map_err(|e| io(std::io::Error::other(format!("pin {}: {e}", pin.display()))))?;
-    Ok(())
+    .map_err(|e| std::io::Error::other(format!("attach sk_lookup: {e}")))?;
+    crate::sys::obj_pin(link.as_fd(), pin)
+        .map_err(|e| std::io::Error::other(format!("pin {}: {e}", pin.display())))
 }
 
 /// Detaches every inbound link of the pod (tc and sk_lookup). Works when the netns is already
 /// gone. Idempotent.
 pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadError> {
+    // The shared program first: without it the identity program only writes a slot.
     detach_links_under_file(&sk_lookup_pin(layout, netns_cookie));
+    detach_links_under_file(&crate::identity::pin(layout, netns_cookie));
     let dir = pod_links_dir(layout, netns_cookie);
     detach_links_under(&dir)?;
     match fs::remove_dir(&dir) {
@@ -218,6 +261,12 @@ pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadE
 /// Whether the pod's sk_lookup link is pinned and still attached to its netns.
 pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
     sk_lookup_attached(&sk_lookup_pin(layout, netns_cookie))
+}
+
+/// Whether the pod's identity link is pinned and attached (without it sk_lookup finds the pod
+/// only by the addresses enrolment registered).
+pub fn has_identity(layout: &PinLayout, netns_cookie: u64) -> bool {
+    sk_lookup_attached(&crate::identity::pin(layout, netns_cookie))
 }
 
 /// Moves the link pinned at `pin` to the pinned sk_lookup program when it runs another one.

@@ -61,7 +61,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     if policy.pod_ips.is_empty() {
         policy.pod_ips = pod_ips(ctx, netns, api_ips, &who);
     }
-    policy.inbound_hook = inbound_hook(ctx, netns, &policy, &who);
+    policy.inbound_hook = inbound_hook(ctx, netns, cookie, &policy, &who);
 
     // Refusals of the input are not outages: FAIL_OPEN does not cover them.
     let fail = |error: CniError| {
@@ -106,6 +106,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         pin_root: ctx.dp.pin_root().to_path_buf(),
         created_unix: now_unix(),
         inbound_ifindexes: None,
+        netns_keys: None,
         pending: false,
         writer_pid: None,
     };
@@ -148,6 +149,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     record.netns_cookie = enrolled.netns_cookie;
     record.interfaces = enrolled.interfaces.clone();
     record.inbound_ifindexes = Some(enrolled.inbound_ifindexes.clone());
+    record.netns_keys = Some(enrolled.netns_keys.clone());
     let recorded = ctx
         .state
         .write_record(&record)
@@ -222,19 +224,26 @@ fn pod_ips(
     ips
 }
 
-/// The configured inbound hook, but `tc` where `sk_lookup` cannot work: without a pod address
-/// (sk_lookup finds the pod by the connection's destination address), or when something already
+/// The configured inbound hook, but `tc` where `sk_lookup` cannot work: when something already
 /// listens on the inbound port (an ADD into a running netns, such as `podman network connect`:
 /// sk_lookup knows a proxy's listener only from a listen(2) after enrolment). An error reading
 /// the netns's sockets counts as a listener.
-fn inbound_hook(ctx: &Ctx<'_>, netns: &std::path::Path, policy: &Policy, who: &str) -> InboundHook {
+///
+/// A netns another attachment enrolled already keeps that attachment's hook: its proxy may
+/// listen by now, and with `sk_lookup` the listener is known, with `tc` it may not be.
+fn inbound_hook(
+    ctx: &Ctx<'_>,
+    netns: &std::path::Path,
+    cookie: u64,
+    policy: &Policy,
+    who: &str,
+) -> InboundHook {
     let hook = ctx.cfg.inbound_hook;
     if hook != InboundHook::SkLookup || policy.inbound_port == 0 {
         return hook;
     }
-    if policy.pod_ips.is_empty() {
-        tracing::info!("{who}: no pod address for the sk_lookup hook; inbound through tc");
-        return InboundHook::Tc;
+    if let Some(enrolled) = ctx.dp.enrolled_hook(cookie) {
+        return enrolled;
     }
     match ctx.dp.listening(netns, policy.inbound_port) {
         Ok(false) => hook,

@@ -95,6 +95,23 @@ pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
             "the inbound sk_lookup program is not attached to netns cookie {cookie}"
         )));
     }
+    // Records of this version name the identity program and the attachment's addresses.
+    if let Some(keys) = &record.netns_keys {
+        if !ctx.dp.has_identity(cookie) {
+            return Err(failed(format!(
+                "the identity sk_lookup program of netns cookie {cookie} is not attached: \
+                 inbound to addresses enrolment did not register would not be captured"
+            )));
+        }
+        let missing = ctx.dp.missing_addresses(cookie, &keys.interface_addresses);
+        if !missing.is_empty() {
+            let list: Vec<String> = missing.iter().map(ToString::to_string).collect();
+            return Err(failed(format!(
+                "the addresses [{}] of {cid}/{ifname} are not registered to netns cookie {cookie}",
+                list.join(", ")
+            )));
+        }
+    }
     if record.policy.inbound_hook == InboundHook::SkLookup {
         return Ok(());
     }

@@ -81,6 +81,23 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
     if let Some(cookie) = cookie.filter(|_| !never_captured) {
         let sharing = ctx.state.sharing(cookie, cid, ifname, &BTreeSet::new());
         if sharing.others > 0 {
+            // Its interface's addresses and links go; the pod stays captured on the others.
+            if let Some(r) = record.as_ref().filter(|r| r.netns_cookie == cookie) {
+                let addresses = r.netns_keys.as_ref().map_or_else(
+                    || r.policy.pod_ips.clone(),
+                    |k| k.interface_addresses.clone(),
+                );
+                let ifindexes = r.inbound_ifindexes.clone().unwrap_or_default();
+                if let Err(e) = ctx
+                    .dp
+                    .unenroll_attachment(cookie, ifname, &addresses, &ifindexes)
+                {
+                    return Err(CniError::new(
+                        code::CLEANUP_FAILED,
+                        format!("cannot remove attachment {ifname} of netns cookie {cookie}: {e}"),
+                    ));
+                }
+            }
             tracing::info!(
                 "DEL {cid}/{ifname}: netns cookie {cookie} stays enrolled for its other interfaces"
             );
@@ -98,6 +115,7 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
                         &Recorded {
                             policy: &r.policy,
                             inbound_ifindexes: r.inbound_ifindexes.as_deref(),
+                            netns_keys: r.netns_keys.as_ref(),
                         },
                     ),
                     "by its record's keys",

@@ -88,6 +88,7 @@ impl Dataplane for Fake {
             entries: policy.to_map_entries(cookie),
             interfaces: vec![ifname.to_owned()],
             inbound_ifindexes: vec![2],
+            netns_keys: Default::default(),
         })
     }
     fn enrolment_current(&self) -> bool {
@@ -102,6 +103,9 @@ impl Dataplane for Fake {
     fn is_enrolled(&self, cookie: u64) -> bool {
         self.0.pods.borrow().contains_key(&cookie)
     }
+    fn enrolled_hook(&self, cookie: u64) -> Option<sidestep::policy::InboundHook> {
+        self.0.pods.borrow().get(&cookie).map(|p| p.inbound_hook)
+    }
     fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
         self.0.unenrolments.borrow_mut().push((cookie, false));
         self.0.links.borrow_mut().remove(&cookie);
@@ -112,6 +116,18 @@ impl Dataplane for Fake {
         self.0.unenrolments.borrow_mut().push((cookie, true));
         self.0.links.borrow_mut().remove(&cookie);
         Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
+    }
+    fn unenroll_attachment(
+        &self,
+        cookie: u64,
+        ifname: &str,
+        _addresses: &[std::net::IpAddr],
+        _inbound_ifindexes: &[u32],
+    ) -> Result<(), EnrollError> {
+        if let Some(links) = self.0.links.borrow_mut().get_mut(&cookie) {
+            links.retain(|l| l != ifname);
+        }
+        Ok(())
     }
     fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError> {
         Ok(match self.0.pods.borrow().get(&cookie) {
@@ -127,6 +143,16 @@ impl Dataplane for Fake {
             .get(&cookie)
             .cloned()
             .unwrap_or_default()
+    }
+    fn has_identity(&self, cookie: u64) -> bool {
+        self.has_sk_lookup(cookie)
+    }
+    fn missing_addresses(
+        &self,
+        _cookie: u64,
+        _addresses: &[std::net::IpAddr],
+    ) -> Vec<std::net::IpAddr> {
+        Vec::new()
     }
     fn has_sk_lookup(&self, cookie: u64) -> bool {
         self.0.links.borrow().contains_key(&cookie)

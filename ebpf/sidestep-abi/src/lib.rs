@@ -21,7 +21,9 @@ pub mod map_names {
     pub const NESTED_LOOKUP: &str = "SIDESTEP_NEST";
     pub const REROUTE_IFACES: &str = "SIDESTEP_RRIF";
     pub const REROUTE_NAT: &str = "SIDESTEP_RNAT";
-    pub const ALL: [&str; 13] = [
+    pub const POD_IDENTITY: &str = "SIDESTEP_NSID";
+    pub const ALL: [&str; 14] = [
+        POD_IDENTITY,
         REROUTE_IFACES,
         REROUTE_NAT,
         NESTED_LOOKUP,
@@ -57,6 +59,10 @@ pub mod program_names {
     pub const REROUTE_INGRESS: &str = "sidestep_reroute_in";
     /// tc egress on the same interface: the reverse rewrite of the proxy's replies.
     pub const REROUTE_EGRESS: &str = "sidestep_reroute_eg";
+    /// The per-pod sk_lookup program that runs before [`SK_LOOKUP`] in the pod's netns and names
+    /// the pod (its netns cookie) in `SIDESTEP_NSID`. Not in the object file: userspace
+    /// assembles it per pod (`userspace/src/identity.rs`), so it is never pinned as a program.
+    pub const POD_IDENTITY: &str = "sidestep_pod_id";
 }
 
 /// Default capacities. Userspace may override them at load time.
@@ -123,6 +129,13 @@ pub mod flags {
     pub const OUTBOUND_ALL_RANGES: u32 = 1 << 11;
     /// Inbound capture is sk_lookup's alone (no tc program), so it also counts passed SYNs.
     pub const INBOUND_SK_LOOKUP: u32 = 1 << 12;
+    /// Inbound capture covers the whole netns: sk_lookup captures on every interface that
+    /// `SIDESTEP_IFACES` does not mark excluded, whatever the address. Enrolments by older
+    /// versions lack it; sk_lookup then captures only on the interfaces they listed.
+    pub const NETNS_WIDE: u32 = 1 << 13;
+    /// The pod has excluded interfaces (`excludeInterfaces`): connect consults the pod's route
+    /// entries in `SIDESTEP_CIDRS` and the socket's bound device (Istio's `-o <nic> -j RETURN`).
+    pub const HAS_EXCLUDED_IFACES: u32 = 1 << 14;
 }
 
 /// Per-pod policy, keyed by network-namespace cookie (`u64`).
@@ -159,6 +172,16 @@ pub struct PortKey {
 pub mod cidr_list {
     pub const OUTBOUND_EXCLUDE: u32 = 0;
     pub const OUTBOUND_INCLUDE: u32 = 1;
+    /// The pod's routes, for a pod with excluded interfaces: value `route_via::*`. The longest
+    /// prefix covering a destination tells whether its route leaves through an excluded
+    /// interface, as the `-o <nic>` match of istio-iptables sees it.
+    pub const ROUTE: u32 = 2;
+}
+
+/// Values of `SIDESTEP_CIDRS` entries in the `cidr_list::ROUTE` list.
+pub mod route_via {
+    pub const EXCLUDED: u8 = 1;
+    pub const OTHER: u8 = 2;
 }
 
 /// Bits of `CidrKey` that precede the address: cookie (64) and list (32).
@@ -244,7 +267,20 @@ pub struct ListenerKey {
     pub port: u32,
 }
 
-/// Key of `SIDESTEP_IFACES`: an interface of a pod that carries inbound capture. Value: 1.
+/// Values of `SIDESTEP_IFACES`.
+pub mod iface_kind {
+    /// The interface carries the pod's tc ingress program.
+    pub const TC: u8 = 1;
+    /// `excludeInterfaces` (or a re-routed interface): inbound on it is never captured, and
+    /// neither is outbound routed out of it.
+    pub const EXCLUDED: u8 = 2;
+    /// A re-routed virtual interface: inbound on it is not captured (its tc programs DNAT it to
+    /// the outbound port instead); outbound routed out of it is.
+    pub const REROUTED: u8 = 3;
+}
+
+/// Key of `SIDESTEP_IFACES`: an interface of a pod that the data path treats specially (value:
+/// an `iface_kind`). Every other interface of a `NETNS_WIDE` pod is captured by sk_lookup.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct InterfaceKey {

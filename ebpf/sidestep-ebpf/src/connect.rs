@@ -75,13 +75,17 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         return true;
     }
     // SAFETY: `sk` is the kernel's full socket for this call; src fields and mark are 4-byte reads.
-    let (bound_src, mark) = unsafe {
+    let (bound_src, mark, bound_dev_if) = unsafe {
         let src = if ipv6 {
             load_ip6(&raw const (*sk).src_ip6)
         } else {
             v4_mapped(load(&raw const (*sk).src_ip4))
         };
-        (src, load(&raw const (*sk).mark))
+        (
+            src,
+            load(&raw const (*sk).mark),
+            load(&raw const (*sk).bound_dev_if),
+        )
     };
     let uid_gid = bpf_get_current_uid_gid();
     let decision = Connect {
@@ -94,6 +98,7 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         bound_src,
         protocol,
         mark,
+        bound_dev_if,
     };
     let tproxy_passthrough = policy::is_tproxy_passthrough(&decision);
     let Verdict { port, kind } = if tproxy_passthrough {

@@ -74,8 +74,8 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         return;
     }
     // SAFETY: 4-byte context fields and socket fields, one word at a time.
-    let (dst, bound_src) = unsafe {
-        if ipv6 {
+    let (dst, bound_src, bound_dev_if) = unsafe {
+        let (dst, src) = if ipv6 {
             (
                 load_ip6(&raw const (*sa).user_ip6),
                 load_ip6(&raw const (*sk).src_ip6),
@@ -85,7 +85,8 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
                 v4_mapped(load(&raw const (*sa).user_ip4)),
                 v4_mapped(load(&raw const (*sk).src_ip4)),
             )
-        }
+        };
+        (dst, src, load(&raw const (*sk).bound_dev_if))
     };
     let uid_gid = bpf_get_current_uid_gid();
     // The same ISTIO_OUTPUT decision as connect: excluded ports, the proxy's identity, IPv6 off.
@@ -99,6 +100,7 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         bound_src,
         protocol: linux::IPPROTO_UDP,
         mark: 0,
+        bound_dev_if,
     });
     if verdict.kind != redirect_kind::DNS {
         return;

@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use sidestep_abi::{
-    InterfaceKey, ListenerKey, OrigDst, PodPolicy, TupleKey, flags, linux, port_list,
+    InterfaceKey, ListenerKey, OrigDst, PodPolicy, TupleKey, flags, iface_kind, linux, port_list,
     redirect_kind, socket_side,
 };
 
@@ -164,7 +164,8 @@ fn remember_listener(
         ifindex,
         _reserved: 0,
     };
-    if SIDESTEP_IFACES.get_ptr(iface).is_none() {
+    // SAFETY: the value is read at once.
+    if unsafe { SIDESTEP_IFACES.get(iface) }.is_none_or(|kind| *kind != iface_kind::TC) {
         return;
     }
     let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {

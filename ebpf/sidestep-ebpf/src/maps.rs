@@ -62,6 +62,15 @@ pub static SIDESTEP_IFACES: HashMap<InterfaceKey, u8, { capacity::INTERFACES as 
 #[btf_map]
 pub static SIDESTEP_NEST: PerCpuArray<u32, 1> = PerCpuArray::new();
 
+/// Per CPU: the netns cookie that the pod's identity program (`sidestep_pod_id`, assembled per
+/// pod by userspace and attached before `sidestep_sk_lookup` in the pod's netns) wrote just
+/// before `sidestep_sk_lookup` runs in the same array run. sk_lookup programs have no netns
+/// helper, and a destination address names the pod only for the addresses enrolment saw; this
+/// names it for every address. The reader clears it, so a stale value is never taken for the
+/// next lookup's.
+#[btf_map]
+pub static SIDESTEP_NSID: PerCpuArray<u64, 1> = PerCpuArray::new();
+
 /// Re-routed virtual interfaces: (ifindex, MAC) -> owning pod and the addresses to DNAT to.
 #[btf_map]
 pub static SIDESTEP_RRIF: HashMap<RerouteIfKey, RerouteIf, { capacity::REROUTE_IFACES as usize }> =

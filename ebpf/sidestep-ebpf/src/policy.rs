@@ -2,11 +2,13 @@
 
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use sidestep_abi::{
-    CIDR_KEY_FIXED_BITS, CidrKey, Counters, PodPolicy, PortKey, cidr_list, defaults, flags,
-    is_v4_mapped, linux, port_list, redirect_kind,
+    CIDR_KEY_FIXED_BITS, CidrKey, Counters, InterfaceKey, PodPolicy, PortKey, cidr_list, defaults,
+    flags, iface_kind, is_v4_mapped, linux, port_list, redirect_kind, route_via,
 };
 
-use crate::maps::{SIDESTEP_ADDRS, SIDESTEP_CIDRS, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_STATS};
+use crate::maps::{
+    SIDESTEP_ADDRS, SIDESTEP_CIDRS, SIDESTEP_IFACES, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_STATS,
+};
 
 /// `127.0.0.1` in network byte order.
 pub const LOOPBACK4_BE: u32 = 0x7f00_0001_u32.to_be();
@@ -33,6 +35,12 @@ pub fn port_listed(netns_cookie: u64, list: u32, port: u16) -> bool {
 
 #[inline(always)]
 pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
+    cidr_value(netns_cookie, list, addr).is_some()
+}
+
+/// The value of the longest prefix of `list` that covers `addr`.
+#[inline(always)]
+fn cidr_value(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> Option<u8> {
     // Full-length key: the trie returns the longest stored prefix that covers the address.
     let mut bytes = [0u8; 16];
     let mut i = 0;
@@ -48,7 +56,25 @@ pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
         CIDR_KEY_FIXED_BITS + 128,
         CidrKey::new(netns_cookie, list, bytes),
     );
-    SIDESTEP_CIDRS.get(&key).is_some()
+    SIDESTEP_CIDRS.get(&key).copied()
+}
+
+/// Whether a connect to a destination off the pod leaves through one of the pod's excluded
+/// interfaces, as istio-iptables' `-o <nic> -j RETURN` sees it: the device the socket is bound
+/// to, else the device of the pod's route to it (its routes, as enrolment read them, are
+/// entries of the `cidr_list::ROUTE` list).
+#[inline(always)]
+fn leaves_excluded_interface(c: &Connect) -> bool {
+    if c.bound_dev_if != 0 {
+        let key = InterfaceKey {
+            netns_cookie: c.netns_cookie,
+            ifindex: c.bound_dev_if,
+            _reserved: 0,
+        };
+        // SAFETY: the value is read at once.
+        return unsafe { SIDESTEP_IFACES.get(key) }.is_some_and(|k| *k == iface_kind::EXCLUDED);
+    }
+    cidr_value(c.netns_cookie, cidr_list::ROUTE, &c.dst) == Some(route_via::EXCLUDED)
 }
 
 /// Whether `addr` is one of this pod's own addresses (one hash lookup).
@@ -152,6 +178,8 @@ pub struct Connect<'a> {
     pub protocol: u32,
     /// The socket's SO_MARK (only connect reads it; setting it takes CAP_NET_ADMIN).
     pub mark: u32,
+    /// The device the socket is bound to (SO_BINDTODEVICE, or a link-local scope), or 0.
+    pub bound_dev_if: u32,
 }
 
 /// TPROXY mode: the proxy's transparent connection to its own app, from a socket bound to the
@@ -193,6 +221,12 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     // `-o lo`: the destination is on the pod itself.
     let local_dst =
         is_loopback(&c.dst) || is_unspecified(&c.dst) || is_pod_address(c.netns_cookie, &c.dst);
+    // `-o <nic> -j RETURN` for each excluded interface, inserted ahead of ISTIO_OUTPUT. Only
+    // passes follow, so testing it after rule 1 changes no outcome. A destination on the pod
+    // leaves through lo, never through an excluded interface.
+    if p.flags & flags::HAS_EXCLUDED_IFACES != 0 && !local_dst && leaves_excluded_interface(c) {
+        return Verdict::PASS;
+    }
     // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
     // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
     // before netfilter sees it, so it is not captured either.

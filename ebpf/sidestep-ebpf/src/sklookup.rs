@@ -4,6 +4,12 @@
 //! 4-tuple is still in TIME_WAIT (the kernel recycles the TIME_WAIT socket, then looks up a
 //! listener). With the `sk_lookup` hook it captures every inbound connection alone. Either way
 //! the proxy accepts, and the original destination is published for SO_ORIGINAL_DST.
+//!
+//! The pod is named by its identity program (`SIDESTEP_NSID`), which runs first in the pod's
+//! netns, so capture covers every address of every interface the pod does not exclude:
+//! link-local, secondary, added after enrolment, on interfaces no ADD named (Istio's
+//! `-A PREROUTING -p tcp -j ISTIO_INBOUND` has no `-i` and no `-d`). Without it (a pod enrolled by
+//! an older version) the destination address names the pod, as it always did.
 
 use aya_ebpf::{
     bindings::sk_action::{SK_DROP, SK_PASS},
@@ -11,21 +17,44 @@ use aya_ebpf::{
     programs::SkLookupContext,
 };
 use sidestep_abi::{
-    InterfaceKey, ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, socket_side,
-    v4_mapped,
+    InterfaceKey, ListenerKey, OrigDst, TupleKey, flags, iface_kind, linux, redirect_kind,
+    socket_side, v4_mapped,
 };
 
 use crate::{
     context::{load, load_ip6},
     inbound::captures_port,
-    maps::{SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_PEND},
+    maps::{
+        SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_NSID,
+        SIDESTEP_PEND,
+    },
     policy,
 };
 
 const LOOPBACK_IFINDEX: u32 = 1;
 
+/// The netns cookie the pod's identity program left for this run, or 0; the slot is cleared, so
+/// a later lookup on this CPU in a netns without one never takes it for its own.
+#[inline(always)]
+fn take_identity() -> u64 {
+    match SIDESTEP_NSID.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot; the identity program wrote it earlier in this same array run,
+        // which runs with migration disabled.
+        Some(slot) => unsafe {
+            let cookie = *slot;
+            if cookie != 0 {
+                *slot = 0;
+            }
+            cookie
+        },
+        None => 0,
+    }
+}
+
 #[sk_lookup]
 pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
+    // First, before any return, so that the slot never outlives this run.
+    let named = take_identity();
     let sl = ctx.lookup;
     // SAFETY: 4-byte context fields of bpf_sk_lookup, every one read on every path.
     let (protocol, family, ifindex, local4, local6, local_port, remote4, remote6, remote_port) = unsafe {
@@ -61,8 +90,16 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     if policy::is_loopback(&remote) || policy::is_passthrough_source(&remote) {
         return SK_PASS;
     }
-    // SAFETY: the value is copied out at once.
-    let Some(netns_cookie) = (unsafe { SIDESTEP_ADDRS.get(local) }).copied() else {
+    let netns_cookie = if named != 0 {
+        named
+    } else {
+        // SAFETY: the value is copied out at once.
+        match unsafe { SIDESTEP_ADDRS.get(local) } {
+            Some(cookie) => *cookie,
+            None => return SK_PASS,
+        }
+    };
+    let Some(pod) = policy::pod_policy(netns_cookie) else {
         return SK_PASS;
     };
     let iface = InterfaceKey {
@@ -70,17 +107,23 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         ifindex,
         _reserved: 0,
     };
-    if SIDESTEP_IFACES.get_ptr(iface).is_none() {
-        return SK_PASS;
-    }
-    // The pod calling its own address arrives over lo (ingress_ifindex is not always lo's
-    // there): Istio's PREROUTING never sees it, so it is never captured inbound.
-    if policy::is_pod_address(netns_cookie, &remote) {
-        return SK_PASS;
-    }
-    let Some(pod) = policy::pod_policy(netns_cookie) else {
-        return SK_PASS;
+    // SAFETY: the value is read at once.
+    let kind = unsafe { SIDESTEP_IFACES.get(iface) }.copied();
+    let excluded = if pod.flags & flags::NETNS_WIDE != 0 {
+        kind.is_some_and(|k| k == iface_kind::EXCLUDED || k == iface_kind::REROUTED)
+    } else {
+        // An older enrolment listed the captured interfaces only.
+        kind.is_none()
     };
+    if excluded {
+        return SK_PASS;
+    }
+    // The pod calling its own address arrives over lo, but for IPv6 the kernel reports the
+    // interface that owns the address: Istio's PREROUTING never sees such a connection (its
+    // nat decision was made in OUTPUT), so it is never captured inbound.
+    if policy::is_pod_address(netns_cookie, &remote) || same_address(&remote, &local) {
+        return SK_PASS;
+    }
     let port = local_port as u16;
     let remote_port = u16::from_be(remote_port as u16);
     let pending = TupleKey {
@@ -132,4 +175,9 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     let _ = SIDESTEP_PEND.insert(pending, orig, 0);
     policy::count(netns_cookie, |c| c.redirected_inbound += 1);
     SK_PASS
+}
+
+#[inline(always)]
+fn same_address(a: &[u32; 4], b: &[u32; 4]) -> bool {
+    a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3]
 }

@@ -18,7 +18,7 @@ use std::path::Path;
 use aya::maps::{MapError, lpm_trie::Key};
 use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, flags, map_names};
 
-use super::reroute_names;
+use super::{NetnsKeys, reroute_names, route_entry};
 use crate::{
     error::{EnrollError, MapsError},
     maps::{PolicyMaps, classify},
@@ -36,6 +36,8 @@ pub struct Recorded<'a> {
     /// [`super::Enrolled::inbound_ifindexes`]; `None` when the caller does not know them (a
     /// record written before they were recorded), and the interface map is scanned for them.
     pub inbound_ifindexes: Option<&'a [u32]>,
+    /// [`super::Enrolled::netns_keys`]; `None` for a record of a version that wrote none.
+    pub netns_keys: Option<&'a super::NetnsKeys>,
 }
 
 /// Deleted, or already gone: `Ok(true)` / `Ok(false)`.
@@ -261,14 +263,23 @@ pub fn unenroll_recorded(
         &entries.cidrs,
         &mut first,
     );
-    // An address is the key, and a later pod given the same IP owns it now: delete only ours.
-    for addr in &entries.addresses {
-        if maps.addresses.get(addr, 0).is_ok_and(|c| c == netns_cookie) {
-            first.note(deleted(
-                map_names::POD_ADDRESSES,
-                maps.addresses.remove(addr),
-            ));
-        }
+    let netns_addresses: Vec<[u32; 4]> = recorded
+        .netns_keys
+        .map(|k| {
+            k.addresses
+                .iter()
+                .map(crate::policy::address_words)
+                .collect()
+        })
+        .unwrap_or_default();
+    remove_own_addresses(
+        maps,
+        netns_cookie,
+        entries.addresses.iter().chain(&netns_addresses),
+        &mut first,
+    );
+    if let Some(keys) = recorded.netns_keys {
+        remove_netns_keys(maps, netns_cookie, keys, &mut first);
     }
     match recorded.inbound_ifindexes {
         Some(ifindexes) => {
@@ -289,6 +300,90 @@ pub fn unenroll_recorded(
         first.note(remove_reroute(maps, netns_cookie, &[]));
     }
     first.into_result().map(|()| was_enrolled)
+}
+
+/// An address is the key, and a later pod given the same IP owns it now: delete only ours.
+fn remove_own_addresses<'a>(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    addresses: impl Iterator<Item = &'a [u32; 4]>,
+    first: &mut FirstError,
+) {
+    for addr in addresses {
+        if maps.addresses.get(addr, 0).is_ok_and(|c| c == netns_cookie) {
+            first.note(deleted(
+                map_names::POD_ADDRESSES,
+                maps.addresses.remove(addr),
+            ));
+        }
+    }
+}
+
+/// The excluded and re-routed interface keys and the route entries an enrolment derived from
+/// the netns.
+fn remove_netns_keys(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    keys: &NetnsKeys,
+    first: &mut FirstError,
+) {
+    for &ifindex in keys
+        .excluded_ifindexes
+        .iter()
+        .chain(&keys.rerouted_ifindexes)
+    {
+        let key = InterfaceKey {
+            netns_cookie,
+            ifindex,
+            _reserved: 0,
+        };
+        first.note(deleted(map_names::INTERFACES, maps.interfaces.remove(&key)));
+    }
+    for route in &keys.routes {
+        if let Some((bits, data, _)) = route_entry(netns_cookie, route, &[]) {
+            first.note(deleted(
+                map_names::CIDR_RULES,
+                maps.cidrs.remove(&Key::new(bits, data)),
+            ));
+        }
+    }
+}
+
+/// Removes one attachment of a pod whose other attachments stay enrolled (a Multus network, a
+/// `podman network disconnect`): the addresses of its interfaces, its interface keys and its tc
+/// link. The pod entry, the sk_lookup links and every other attachment's keys stay.
+pub fn unenroll_attachment(
+    pin_root: &Path,
+    netns_cookie: u64,
+    ifname: &str,
+    addresses: &[std::net::IpAddr],
+    inbound_ifindexes: &[u32],
+) -> Result<(), EnrollError> {
+    let mut maps = PolicyMaps::open(pin_root)?;
+    let mut first = FirstError::default();
+    let words: Vec<[u32; 4]> = addresses.iter().map(crate::policy::address_words).collect();
+    remove_own_addresses(&mut maps, netns_cookie, words.iter(), &mut first);
+    for &ifindex in inbound_ifindexes {
+        let key = InterfaceKey {
+            netns_cookie,
+            ifindex,
+            _reserved: 0,
+        };
+        // Only the tc key: an excluded interface's key describes the netns, not the attachment.
+        if maps
+            .interfaces
+            .get(&key, 0)
+            .is_ok_and(|k| k == sidestep_abi::iface_kind::TC)
+        {
+            first.note(deleted(map_names::INTERFACES, maps.interfaces.remove(&key)));
+        }
+    }
+    let layout = PinLayout::new(pin_root);
+    let pin = tc::pod_links_dir(&layout, netns_cookie).join(ifname);
+    if pin.exists() {
+        tc::detach_link_pin(&pin);
+    }
+    first.into_result().map_err(Into::into)
 }
 
 /// Unenrols the netns at `netns_path`: its map entries and its tc links.

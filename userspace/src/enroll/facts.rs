@@ -1,0 +1,204 @@
+//! What an enrolment reads from the pod netns itself, in one visit: every address of every
+//! interface (the capture boundary is the netns, not the addresses a runtime reported), the
+//! interfaces' indexes, and, for a pod with excluded interfaces, its routes (istio-iptables'
+//! `-o <nic>` is decided by the route of the destination).
+
+use std::{io, net::IpAddr};
+
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    route::{RouteAddress, RouteAttribute, RouteMessage, RouteType},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use serde::{Deserialize, Serialize};
+
+use crate::{error::NetnsError, netns::Netns};
+
+/// The main routing table, the one `ip route` shows and pods route by.
+const RT_TABLE_MAIN: u32 = 254;
+
+/// One route of the pod: destination prefix and the interface it leaves by.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Route {
+    pub destination: IpAddr,
+    pub prefix_len: u8,
+    pub ifindex: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetnsFacts {
+    /// (interface, address) for every address of every interface but lo.
+    pub addresses: Vec<(String, IpAddr)>,
+    /// (interface, ifindex) for every interface but lo.
+    pub interfaces: Vec<(String, u32)>,
+    /// The main table's unicast routes; read only when asked for.
+    pub routes: Vec<Route>,
+}
+
+impl NetnsFacts {
+    pub fn ifindex(&self, name: &str) -> Option<u32> {
+        self.interfaces
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, i)| *i)
+    }
+
+    pub fn addresses_of(&self, name: &str) -> Vec<IpAddr> {
+        self.addresses
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, a)| *a)
+            .collect()
+    }
+}
+
+/// Reads the netns's interfaces and addresses, and its routes when `with_routes`.
+pub fn read(netns: &Netns, with_routes: bool) -> Result<NetnsFacts, NetnsError> {
+    netns.run(move || {
+        let mut facts = NetnsFacts::default();
+        for i in nix::net::if_::if_nameindex()?.iter() {
+            let name = i.name().to_string_lossy().into_owned();
+            if name != "lo" {
+                facts.interfaces.push((name, i.index()));
+            }
+        }
+        for a in nix::ifaddrs::getifaddrs().map_err(io::Error::from)? {
+            if a.interface_name == "lo" {
+                continue;
+            }
+            let Some(addr) = a.address.as_ref() else {
+                continue;
+            };
+            let ip = if let Some(v4) = addr.as_sockaddr_in() {
+                IpAddr::V4(v4.ip())
+            } else if let Some(v6) = addr.as_sockaddr_in6() {
+                IpAddr::V6(v6.ip())
+            } else {
+                continue;
+            };
+            facts.addresses.push((a.interface_name.clone(), ip));
+        }
+        if with_routes {
+            facts.routes = dump_routes()?;
+        }
+        Ok(facts)
+    })
+}
+
+/// The main table's unicast routes of both families (an IPv6-less netns has none of its own).
+fn dump_routes() -> io::Result<Vec<Route>> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    let mut routes = Vec::new();
+    for (seq, family) in [(1, AddressFamily::Inet), (2, AddressFamily::Inet6)] {
+        let mut msg = RouteMessage::default();
+        msg.header.address_family = family;
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        header.sequence_number = seq;
+        let mut packet = NetlinkMessage::new(
+            header,
+            NetlinkPayload::from(RouteNetlinkMessage::GetRoute(msg)),
+        );
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        socket.send(&buf, 0)?;
+        let mut reply = vec![0; 32 * 1024];
+        'dump: loop {
+            let n = socket.recv(&mut &mut reply[..], 0)?;
+            let mut offset = 0;
+            while offset < n {
+                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                let len = msg.header.length as usize;
+                match msg.payload {
+                    NetlinkPayload::Done(_) => break 'dump,
+                    NetlinkPayload::Error(e) => match e.code {
+                        // An IPv6-less kernel refuses the family: no routes of it.
+                        Some(c) if -c.get() == libc::EAFNOSUPPORT => break 'dump,
+                        Some(c) => return Err(io::Error::from_raw_os_error(-c.get())),
+                        None => break 'dump,
+                    },
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => {
+                        if let Some(route) = unicast_route(&r) {
+                            routes.push(route);
+                        }
+                    }
+                    _ => {}
+                }
+                if len == 0 {
+                    break;
+                }
+                offset += len;
+            }
+        }
+    }
+    Ok(routes)
+}
+
+fn unicast_route(r: &RouteMessage) -> Option<Route> {
+    if r.header.kind != RouteType::Unicast {
+        return None;
+    }
+    let mut table = u32::from(r.header.table);
+    let mut destination = None;
+    let mut ifindex = None;
+    for a in &r.attributes {
+        match a {
+            RouteAttribute::Table(t) => table = *t,
+            RouteAttribute::Destination(RouteAddress::Inet(v4)) => {
+                destination = Some(IpAddr::V4(*v4));
+            }
+            RouteAttribute::Destination(RouteAddress::Inet6(v6)) => {
+                destination = Some(IpAddr::V6(*v6));
+            }
+            RouteAttribute::Oif(i) => ifindex = Some(*i),
+            // A multipath route: its first next hop's device stands for it.
+            RouteAttribute::MultiPath(hops) if ifindex.is_none() => {
+                ifindex = hops.first().map(|h| h.interface_index);
+            }
+            _ => {}
+        }
+    }
+    if table != RT_TABLE_MAIN {
+        return None;
+    }
+    let destination = destination.unwrap_or(match r.header.address_family {
+        AddressFamily::Inet6 => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        _ => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+    });
+    Some(Route {
+        destination,
+        prefix_len: r.header.destination_prefix_length,
+        ifindex: ifindex?,
+    })
+}
+
+/// The keys an enrolment wrote from what the netns held (not from the policy), recorded so that
+/// an unenrolment deletes exactly them, and so that one attachment's DEL removes only its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetnsKeys {
+    /// Addresses found on the netns's interfaces beyond the policy's pod IPs (`SIDESTEP_ADDRS`).
+    #[serde(default)]
+    pub addresses: Vec<IpAddr>,
+    /// The addresses of the interfaces this enrolment was made for (a CNI attachment's), pod IPs
+    /// included: what that attachment's DEL removes while other attachments stay.
+    #[serde(default)]
+    pub interface_addresses: Vec<IpAddr>,
+    /// `excludeInterfaces` present in the netns, by ifindex (`iface_kind::EXCLUDED`).
+    #[serde(default)]
+    pub excluded_ifindexes: Vec<u32>,
+    /// Re-routed interfaces present in the netns (`iface_kind::REROUTED`).
+    #[serde(default)]
+    pub rerouted_ifindexes: Vec<u32>,
+    /// The routes written to the `cidr_list::ROUTE` list (pods with excluded interfaces).
+    #[serde(default)]
+    pub routes: Vec<Route>,
+}
