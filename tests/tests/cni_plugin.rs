@@ -142,7 +142,24 @@ fn lifecycle() -> Result<()> {
     let b = sb.add_netns("b")?;
     let c = sb.add_netns("c")?;
     expect_ok(&call(&sb, "ADD", "keep", &b, &conf)?, "ADD keep")?;
-    expect_ok(&call(&sb, "ADD", "stale", &c, &conf)?, "ADD stale")?;
+    // Its own address: a live pod's address is never taken over.
+    let mut other_ip = conf.clone();
+    other_ip["prevResult"]["ips"][0]["address"] = json!("10.254.0.10/24");
+    let o = call(&sb, "ADD", "stale", &c, &conf)?;
+    expect_err(&o, 11, "ADD with the address of a live pod")?;
+    ensure!(
+        o.json["msg"]
+            .as_str()
+            .is_some_and(|m| m.contains("10.254.0.9")),
+        "the refusal names the address: {}",
+        o.json
+    );
+    ensure!(
+        sb.pods()? == [netns::cookie(&b)?],
+        "a refused ADD enrolled: {:?}",
+        sb.pods()?
+    );
+    expect_ok(&call(&sb, "ADD", "stale", &c, &other_ip)?, "ADD stale")?;
     let mut gc = conf.clone();
     gc["cni.dev/valid-attachments"] = json!([{"containerID": "keep", "ifname": "eth0"}]);
     gc.as_object_mut().unwrap().remove("prevResult");

@@ -107,6 +107,17 @@ fn layout(root: &Path) -> Result<BTreeMap<String, String>> {
         let what = if p.starts_with(root.join("links")) {
             let v = bpftool(&["link", "show", "pinned", &p.display().to_string()])?;
             let id = v["prog_id"].as_u64().context("link prog id")?;
+            // The identity programs are per pod and never pinned (docs/ARCHITECTURE.md).
+            if p.starts_with(root.join("links/podid")) {
+                let prog = bpftool(&["prog", "show", "id", &id.to_string()])?;
+                ensure!(
+                    prog["name"] == "sidestep_pod_id",
+                    "{rel} runs {}, not an identity program",
+                    prog["name"]
+                );
+                out.insert(rel, "runs sidestep_pod_id".into());
+                continue;
+            }
             let name = pinned_progs.get(&id).with_context(|| {
                 format!("{rel} runs program {id}, which is not pinned (pinned: {pinned_progs:?})")
             })?;

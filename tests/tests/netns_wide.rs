@@ -113,3 +113,81 @@ fn unseen_addresses_are_captured(hook: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// The sk_lookup links attach to the netns the plugin opened and checked, not to whatever its
+/// path names by the time it attaches: here the path is bind-mounted over with another netns
+/// while the plugin is stopped between the two.
+#[test]
+fn sk_lookup_attaches_to_the_netns_that_was_checked() -> Result<()> {
+    use sidestep_tests::faults::{Plugin, bpftool};
+    if skip_unless_root("sk_lookup_attaches_to_the_netns_that_was_checked") {
+        return Ok(());
+    }
+    let env = TestEnv::new("nswide-fd")?;
+    let loaded = Loaded::load(&env)?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let plugin = Plugin::new(&env, loaded.pin_root());
+    let pod = node.add_pod("app")?;
+    let inode = |p: &std::path::Path| -> Result<u64> {
+        use std::os::unix::fs::MetadataExt as _;
+        Ok(std::fs::metadata(p)?.ino())
+    };
+    let checked = inode(pod.netns_path())?;
+    let cookie = pod.netns_cookie()?;
+    let decoy_name = format!("sidestep-{}-decoy", env.id());
+    let decoy = sidestep_tests::netns::create(&decoy_name)?;
+    let swapped = std::cell::Cell::new(false);
+    let out = plugin.paused("ADD", &pod, "enroll:before-sk-lookup", || {
+        run_cmd(&[
+            "mount",
+            "--bind",
+            &decoy.display().to_string(),
+            &pod.netns_path().display().to_string(),
+        ])?;
+        swapped.set(true);
+        Ok(())
+    });
+    let restore = || {
+        if swapped.get() {
+            let _ = run_cmd(&["umount", &pod.netns_path().display().to_string()]);
+        }
+        let _ = sidestep_tests::netns::delete(&decoy_name);
+    };
+    let result = (|| -> Result<()> {
+        let out = out?;
+        ensure!(
+            out.status.success(),
+            "ADD failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for dir in ["sklookup", "podid"] {
+            let pin = loaded
+                .pin_root()
+                .join("links")
+                .join(dir)
+                .join(cookie.to_string());
+            let link = bpftool(&["link", "show", "pinned", &pin.display().to_string()])?;
+            ensure!(
+                link["netns_ino"] == checked,
+                "the {dir} link is attached to netns {}, not the checked {checked}: {link}",
+                link["netns_ino"]
+            );
+        }
+        Ok(())
+    })();
+    restore();
+    let _ = plugin.run("DEL", &pod, None);
+    result
+}
+
+fn run_cmd(argv: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(argv[0])
+        .args(&argv[1..])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{argv:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -184,6 +184,7 @@ fn attach_sk_lookup(
         path: netns.path().to_path_buf(),
         source: e,
     };
+    crate::sys::failpoint("enroll:before-sk-lookup");
     let shared_attached = pin.exists() && sk_lookup_attached(&pin);
     let identity_attached = id_pin.exists() && sk_lookup_attached(&id_pin);
     for p in [&pin, &id_pin] {

@@ -238,11 +238,16 @@ impl Harness {
     }
 
     fn run(&self, cmd: &str, cid: &str, netns: &str, conf: &Value) -> Outcome {
+        self.run_if(cmd, cid, "eth0", netns, conf)
+    }
+
+    /// [`Harness::run`] for another attachment (CNI_IFNAME) of the container.
+    fn run_if(&self, cmd: &str, cid: &str, ifname: &str, netns: &str, conf: &Value) -> Outcome {
         let env: BTreeMap<&str, String> = BTreeMap::from([
             ("CNI_COMMAND", cmd.to_owned()),
             ("CNI_CONTAINERID", cid.to_owned()),
             ("CNI_NETNS", netns.to_owned()),
-            ("CNI_IFNAME", "eth0".to_owned()),
+            ("CNI_IFNAME", ifname.to_owned()),
             ("CNI_PATH", "/opt/cni/bin".to_owned()),
             (
                 "CNI_ARGS",
@@ -605,11 +610,11 @@ fn sk_lookup_falls_back_to_tc_where_it_cannot_work() {
     );
     assert_eq!(hook(&h), InboundHook::SkLookup);
 
-    // No address anywhere: tc, which also finds a pod by its netns.
+    // No address anywhere: still sk_lookup, whose identity program names the pod.
     let h = Harness::new();
     assert!(h.run("ADD", "c1", "/run/netns/a", &conf).success);
     assert!(h.world.pods.borrow()[&101].pod_ips.is_empty());
-    assert_eq!(hook(&h), InboundHook::Tc);
+    assert_eq!(hook(&h), InboundHook::SkLookup);
 
     // The inbound port listens already (an ADD into a running pod): tc.
     let h = Harness::new();
@@ -623,6 +628,32 @@ fn sk_lookup_falls_back_to_tc_where_it_cannot_work() {
         serde_json::from_slice(&std::fs::read(h.state_dir().join("c1@eth0.json")).unwrap())
             .unwrap();
     assert_eq!(rec["policy"]["inboundHook"], "tc");
+
+    // A second attachment of a netns enrolled with tc keeps tc, even with nothing listening,
+    // and one of a netns enrolled with sk_lookup keeps sk_lookup with the proxy listening.
+    let h = Harness::new();
+    h.world.listening.borrow_mut().push(15006);
+    assert!(
+        h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    h.world.listening.borrow_mut().clear();
+    assert!(
+        h.run_if("ADD", "c1", "net1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    assert_eq!(hook(&h), InboundHook::Tc);
+    let h = Harness::new();
+    assert!(
+        h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    h.world.listening.borrow_mut().push(15006);
+    assert!(
+        h.run_if("ADD", "c1", "net1", "/run/netns/a", &h.conf(json!({})))
+            .success
+    );
+    assert_eq!(hook(&h), InboundHook::SkLookup);
 
     // Another port listening changes nothing.
     let h = Harness::new();
