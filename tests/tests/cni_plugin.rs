@@ -180,6 +180,8 @@ fn lifecycle() -> Result<()> {
         "{:?}",
         sb.state_files().keys()
     );
+    // The pods below use the same address one at a time; keep's comes back further down.
+    expect_ok(&call(&sb, "DEL", "keep", &b, &conf)?, "DEL keep")?;
 
     // inbound_hook tc: a TCX link on eth0 beside the netns's sk_lookup link, and CHECK
     // verifies both.
