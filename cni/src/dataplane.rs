@@ -57,7 +57,14 @@ pub trait Dataplane {
         addresses: &[std::net::IpAddr],
         inbound_ifindexes: &[u32],
     ) -> Result<(), EnrollError>;
-    fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError>;
+    /// Whether the pod map holds what enrolling `policy` wrote; `host_ids` are the proxy's IDs
+    /// on the host when the netns has a user namespace of its own (`NetnsKeys::proxy_host_ids`).
+    fn pod_entry(
+        &self,
+        cookie: u64,
+        policy: &Policy,
+        host_ids: Option<(u32, u32)>,
+    ) -> Result<PodEntry, MapsError>;
     fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
     /// Whether the pod's netns has its pinned sk_lookup link.
     fn has_sk_lookup(&self, cookie: u64) -> bool;
@@ -197,9 +204,14 @@ impl Dataplane for Pinned {
         }
     }
 
-    fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError> {
+    fn pod_entry(
+        &self,
+        cookie: u64,
+        policy: &Policy,
+        host_ids: Option<(u32, u32)>,
+    ) -> Result<PodEntry, MapsError> {
         let maps = PolicyMaps::open(&self.pin_root)?;
-        let want = policy.to_map_entries(cookie).pod;
+        let want = enroll::NetnsKeys::with_host_ids(policy.to_map_entries(cookie).pod, host_ids);
         Ok(match maps.pods.get(&cookie, 0) {
             Ok(have) if have == want => PodEntry::Matches,
             Ok(_) => PodEntry::Differs,

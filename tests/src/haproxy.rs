@@ -144,9 +144,10 @@ pub struct Sidecar {
 }
 
 impl Sidecar {
-    /// Writes and checks (`haproxy -c`) the config, adds `::6/128` to the pod's `lo` when the
-    /// pod has IPv6 (as istio-iptables does), starts `haproxy -db` as `cfg.uid`/`cfg.gid` in the
-    /// pod and the test cgroup, and waits until all listeners are up.
+    /// Writes and checks (`haproxy -c`) the config, starts `haproxy -db` as `cfg.uid`/`cfg.gid` in
+    /// the pod and the test cgroup, and waits until all listeners are up. The IPv6 passthrough
+    /// source `::6` on the pod's `lo` is the capture's to add (sidestep's enrolment, or
+    /// istio-iptables), not the sidecar's: the tests show the product doing it.
     pub fn start(env: &TestEnv, pod: &Pod, cfg: SidecarConfig) -> Result<Self> {
         let ipv6 = netns::ipv6_enabled(&pod.netns_path);
         let path = env
@@ -166,14 +167,6 @@ impl Sidecar {
                 String::from_utf8_lossy(&check.stdout),
                 String::from_utf8_lossy(&check.stderr)
             );
-        }
-        // A sidecar started again in the same pod finds the address from the first one.
-        if ipv6
-            && !pod
-                .ip(&["-6", "addr", "show", "dev", "lo"])?
-                .contains("::6/128")
-        {
-            netns::add_addr(&pod.netns_name, "lo", "::6/128")?;
         }
         let (uid, gid) = (cfg.uid.to_string(), cfg.gid.to_string());
         let transparent_argv = [

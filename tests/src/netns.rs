@@ -20,6 +20,56 @@ pub fn create(name: &str) -> Result<PathBuf> {
     Ok(Path::new(NETNS_DIR).join(name))
 }
 
+/// Creates a named network namespace owned by a new user namespace that maps its IDs
+/// `0..count` (users and groups) to the host's `base..base + count`, as a `hostUsers: false`
+/// pod's sandbox is. The caller owns its removal ([`delete`]); the user namespace lives as long
+/// as the netns does.
+pub fn create_in_userns(name: &str, base: u32, count: u32) -> Result<PathBuf> {
+    use std::os::fd::AsRawFd as _;
+    // Close-on-exec, so that processes other tests spawn meanwhile do not keep them open.
+    let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let (go_r, go_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // SAFETY: the child makes raw system calls only (unshare, write, read, _exit), all
+    // async-signal-safe, so forking this multithreaded test process is sound.
+    let child = match unsafe { nix::unistd::fork() }? {
+        nix::unistd::ForkResult::Child => {
+            // SAFETY: raw syscalls on fds this process holds; `_exit` never returns. One
+            // unshare makes the user namespace first, then the netns owned by it.
+            unsafe {
+                libc::close(ready_r.as_raw_fd());
+                libc::close(go_w.as_raw_fd());
+                let ok = libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET) == 0;
+                let status = [u8::from(ok)];
+                libc::write(ready_w.as_raw_fd(), status.as_ptr().cast(), 1);
+                let mut byte = [0u8; 1];
+                libc::read(go_r.as_raw_fd(), byte.as_mut_ptr().cast(), 1);
+                libc::_exit(0)
+            }
+        }
+        nix::unistd::ForkResult::Parent { child } => child,
+    };
+    drop((ready_w, go_r));
+    let result = (|| -> Result<PathBuf> {
+        let mut status = [0u8; 1];
+        let n = nix::unistd::read(ready_r.as_raw_fd(), &mut status)?;
+        if n != 1 || status[0] != 1 {
+            bail!("the child could not unshare a user and network namespace");
+        }
+        let map = format!("0 {base} {count}\n");
+        for file in ["uid_map", "gid_map"] {
+            fs::write(format!("/proc/{child}/{file}"), &map)
+                .with_context(|| format!("writing {file} of {child}"))?;
+        }
+        cmd(&["ip", "netns", "attach", name, &child.to_string()])?;
+        Ok(Path::new(NETNS_DIR).join(name))
+    })();
+    // An explicit byte, not EOF: a child another test forked meanwhile may hold this end.
+    let _ = nix::unistd::write(&go_w, &[1]);
+    drop(go_w);
+    let _ = nix::sys::wait::waitpid(child, None);
+    result
+}
+
 /// Deletes a named network namespace; a missing one is not an error.
 pub fn delete(name: &str) -> Result<()> {
     if !Path::new(NETNS_DIR).join(name).exists() {

@@ -63,6 +63,17 @@ pub struct Node {
     plugin_dirs: Vec<PathBuf>,
     chain: Vec<Value>,
     pods: Mutex<Vec<Arc<Pod>>>,
+    /// Pods of other nodes attached to this network as a second interface ([`Node::attach`]).
+    attached: Mutex<Vec<Attached>>,
+}
+
+/// A second interface of a pod on this node's network, as Multus or `podman network connect`
+/// adds one: the same container ID and netns, another CNI_IFNAME.
+#[derive(Debug, Clone)]
+struct Attached {
+    pod: Arc<Pod>,
+    ifname: String,
+    result: Value,
 }
 
 /// `ssb` + 6 hex digits of pid + 4 of a per-process counter: 13 characters (IFNAMSIZ is 16).
@@ -97,6 +108,7 @@ impl Node {
             plugin_dirs,
             chain: opts.chain,
             pods: Mutex::new(Vec::new()),
+            attached: Mutex::new(Vec::new()),
         })
     }
 
@@ -182,7 +194,10 @@ impl Node {
         }
         let netns_name = format!("sidestep-{}-{name}", self.env_id);
         let container_id = format!("{}-{name}", self.env_id);
-        let netns_path = netns::create(&netns_name)?;
+        let netns_path = match opts.userns {
+            Some((base, count)) => netns::create_in_userns(&netns_name, base, count)?,
+            None => netns::create(&netns_name)?,
+        };
         let mut pod = Pod::new(name, netns_name, netns_path, container_id, opts);
         match self.cni_add(&mut pod) {
             Ok(()) => {
@@ -203,6 +218,108 @@ impl Node {
     pub fn remove_pod(&self, pod: &Pod) -> Result<()> {
         self.lock_pods().retain(|p| p.name != pod.name);
         self.teardown(pod)
+    }
+
+    /// CNI CHECK of `pod`'s eth0 through the whole chain, with the cached result as prevResult,
+    /// as libcni runs it; an error names the plugin that failed.
+    pub fn check(&self, pod: &Pod) -> Result<()> {
+        let cached = (!pod.cni_result.is_null()).then_some(&pod.cni_result);
+        for plugin in self.main_plugins() {
+            let conf =
+                cni::plugin_conf(&self.network, &plugin, cached, pod.runtime_config.as_ref());
+            cni::exec(&self.invocation(pod, "CHECK", "eth0"), &conf)
+                .with_context(|| format!("CHECK of pod {} by {}", pod.name, plugin["type"]))?;
+        }
+        Ok(())
+    }
+
+    /// Attaches `pod` (of any node) to this node's network as interface `ifname`: CNI ADD of this
+    /// node's chain with the pod's container ID and netns, as Multus runs a second network. The
+    /// attachment is removed (CNI DEL) by [`Node::detach`] or when this node is dropped. Returns
+    /// the chain's result.
+    pub fn attach(&self, pod: &Arc<Pod>, ifname: &str) -> Result<Value> {
+        let mut prev: Option<Value> = None;
+        let mut att = Attached {
+            pod: pod.clone(),
+            ifname: ifname.to_owned(),
+            result: Value::Null,
+        };
+        for plugin in self.attach_plugins() {
+            let conf = cni::plugin_conf(
+                &self.network,
+                &plugin,
+                prev.as_ref(),
+                pod.runtime_config.as_ref(),
+            );
+            match cni::exec(&self.invocation(pod, "ADD", ifname), &conf) {
+                Ok(result) => {
+                    att.result = result.clone();
+                    prev = Some(result);
+                }
+                Err(e) => {
+                    if let Err(e2) = self.detach_one(&att) {
+                        eprintln!("sidestep-tests: cleaning up attachment {ifname}: {e2:#}");
+                    }
+                    return Err(e.context(format!("attaching pod {} as {ifname}", pod.name)));
+                }
+            }
+        }
+        netns::wait_no_tentative(&pod.netns_name, Duration::from_secs(10))?;
+        let result = att.result.clone();
+        self.lock_attached().push(att);
+        Ok(result)
+    }
+
+    /// CNI DEL of an attachment made by [`Node::attach`].
+    pub fn detach(&self, pod: &Pod, ifname: &str) -> Result<()> {
+        let mut all = self.lock_attached();
+        let Some(i) = all
+            .iter()
+            .position(|a| a.pod.name == pod.name && a.ifname == ifname)
+        else {
+            bail!("pod {} has no attachment {ifname} on this node", pod.name);
+        };
+        let att = all.remove(i);
+        drop(all);
+        self.detach_one(&att)
+    }
+
+    fn detach_one(&self, att: &Attached) -> Result<()> {
+        let cached = (!att.result.is_null()).then_some(&att.result);
+        let mut errors = Vec::new();
+        for plugin in self.attach_plugins().iter().rev() {
+            let conf = cni::plugin_conf(
+                &self.network,
+                plugin,
+                cached,
+                att.pod.runtime_config.as_ref(),
+            );
+            if let Err(e) = cni::exec(&self.invocation(&att.pod, "DEL", &att.ifname), &conf) {
+                errors.push(format!("{e:#}"));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            bail!(
+                "detaching {} of pod {}: {}",
+                att.ifname,
+                att.pod.name,
+                errors.join("; ")
+            )
+        }
+    }
+
+    /// The chain for a second interface: its pod already has default routes (eth0's), so the
+    /// bridge's IPAM adds none (as a Multus network without a gateway).
+    fn attach_plugins(&self) -> Vec<Value> {
+        let mut v = self.main_plugins();
+        v[0]["ipam"]["routes"] = json!([]);
+        v
+    }
+
+    fn lock_attached(&self) -> MutexGuard<'_, Vec<Attached>> {
+        self.attached.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The pods currently on the node.
@@ -297,6 +414,12 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        let attached = std::mem::take(&mut *self.lock_attached());
+        for att in attached.iter().rev() {
+            if let Err(e) = self.detach_one(att) {
+                eprintln!("sidestep-tests: {e:#}");
+            }
+        }
         let pods = std::mem::take(&mut *self.lock_pods());
         for pod in pods.iter().rev() {
             if let Err(e) = self.teardown(pod) {

@@ -25,6 +25,9 @@ pub struct PodOptions {
     pub extra_cni_args: Vec<(String, String)>,
     /// `runtimeConfig` given to every plugin of the chain (e.g. pod annotations).
     pub runtime_config: Option<Value>,
+    /// A user namespace of its own for the pod's netns (`hostUsers: false`): its IDs `0..count`
+    /// are the host's `base..base + count`.
+    pub userns: Option<(u32, u32)>,
 }
 
 impl Default for PodOptions {
@@ -33,6 +36,7 @@ impl Default for PodOptions {
             namespace: "default".into(),
             extra_cni_args: Vec::new(),
             runtime_config: None,
+            userns: None,
         }
     }
 }

@@ -93,7 +93,13 @@ pub(crate) fn create_bridge(
                 .any(|u| overlaps(u, &a) || (dual && overlaps(u, &b)))
         })
         .context("no free 10.200.0.0/13 subnet for a test bridge")?;
-    cmd(&["ip", "link", "add", "name", bridge, "type", "bridge"])?;
+    // An address of its own: a bridge without one takes the lowest of its ports' MACs, so it
+    // would change as pods join, and the bridge plugin's CHECK compares it with the ADD's.
+    let [a, b, c, d] = start.to_be_bytes();
+    let mac = format!("02:5e:{a:02x}:{b:02x}:{c:02x}:{d:02x}");
+    cmd(&[
+        "ip", "link", "add", "name", bridge, "address", &mac, "type", "bridge",
+    ])?;
     let setup = || -> Result<()> {
         let gw4 = format!("{}/24", gateway(v4.network().into()));
         cmd(&["ip", "addr", "add", &gw4, "dev", bridge])?;

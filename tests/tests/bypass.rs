@@ -29,6 +29,7 @@ const ENOENT: i64 = 2;
 const EPERM: i64 = 1;
 const EINVAL: i64 = 22;
 const ENETUNREACH: i64 = 101;
+const ECONNREFUSED: i64 = 111;
 
 fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")
@@ -501,5 +502,50 @@ fn option_memory_exhaustion_does_not_bypass() -> Result<()> {
     if !problems.is_empty() {
         bail!("{}", problems.join("\n"));
     }
+    Ok(())
+}
+
+/// A socket whose captured connect failed (TCP may connect again then, and UDP always may) and
+/// that connects again to a destination that passes keeps no trace of the first: getpeername
+/// reports the peer it really has, as under iptables, where each connect is its own nat
+/// decision. Here the first connect is TCP to port 53 with DNS capture on (sent to 15053, where
+/// nothing listens), the second to an excluded port on the server.
+#[test]
+fn a_reconnected_socket_keeps_no_stale_original_destination() -> Result<()> {
+    if skip_unless_root("a_reconnected_socket_keeps_no_stale_original_destination") {
+        return Ok(());
+    }
+    let f = Fixture::new(
+        "bypass-recon",
+        &[
+            "--dns-capture",
+            "--exclude-outbound-ports",
+            &PORT.to_string(),
+        ],
+    )?;
+    let v4 = f.server_v4();
+    let dns = format!("{}:53", f.server.ipv4);
+    let m = f.mark();
+    let v = f.app(&["connect-sock", &v4, "--first", &dns, "--read"])?;
+    ensure!(
+        v["first_errno"] == ECONNREFUSED,
+        "the first, captured connect should have been refused at 15053: {v}"
+    );
+    connected("the second connect", &v)?;
+    ensure!(
+        v["peer"] == v4,
+        "getpeername after a passed connect reports {} (a stale original destination), not \
+         {v4}: {v}",
+        v["peer"]
+    );
+    ensure!(
+        v["orig_v4"]["addr"] != dns.as_str(),
+        "SO_ORIGINAL_DST reports the first connect's destination: {v}"
+    );
+    f.direct(
+        "the second connect (excluded port)",
+        m,
+        f.client.ipv4.into(),
+    )?;
     Ok(())
 }

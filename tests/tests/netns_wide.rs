@@ -55,6 +55,14 @@ fn unseen_addresses_are_captured(hook: &str) -> Result<()> {
         &server,
         &["--inbound-hook", hook, "--pod-ip", &server.ipv4.to_string()],
     )?;
+    // The proxy's IPv6 passthrough source, as istio-iptables adds it (`ip -6 addr add ::6/128
+    // dev lo`): nothing in the test adds it.
+    ensure!(
+        server
+            .ip(&["-6", "addr", "show", "dev", "lo"])?
+            .contains("::6/128"),
+        "{hook}: enrolment did not add ::6/128 to the pod's lo"
+    );
     let proxy = server.spawn(
         &env,
         Spawn::new(&[probe(), "proxy", "[::]:15006", "-", "--no-forward"])

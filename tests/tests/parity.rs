@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use sidestep_tests::{
-    Node, NodeOptions, TestEnv, netns,
+    Node, NodeOptions, TestEnv,
     parity::{Listeners, Names, Oracle, print_uncaptured, render_table},
     sidestep::Loaded,
     skip_unless_root,
@@ -74,8 +74,6 @@ fn parity_with_istio_iptables() -> Result<()> {
     let s = node.add_pod("subject")?;
     let p = node.add_pod("peer")?;
     let netns_paths = [s.netns_path.clone(), p.netns_path.clone()];
-    // The proxy's IPv6 passthrough source, as the sidecar needs it in both runs.
-    netns::add_addr(&s.netns_name, "lo", "::6/128")?;
     let mut names = Names::default();
     let topo = Topology {
         s6: s.ipv6.context("dual-stack pod without IPv6")?,

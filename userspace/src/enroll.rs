@@ -9,6 +9,7 @@
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
 mod facts;
+mod passthrough;
 mod unenroll;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};
@@ -77,11 +78,18 @@ pub fn enroll_netns(
     let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);
     let was_enrolled = previous_flags.is_some();
     let facts = facts::read(netns, !policy.exclude_interfaces.is_empty())?;
+    // The proxy's IDs as the kernel sees them: a user-namespaced pod's UID 1337 is another UID
+    // on the host, and the programs compare with `bpf_get_current_uid_gid`.
+    let host_ids = crate::userns::proxy_ids_on_host(netns, policy.proxy_uid, policy.proxy_gid)?;
     let mut entries = policy.to_map_entries(netns_cookie);
-    let netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
+    let mut netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
+    netns_keys.proxy_host_ids = host_ids;
+    entries.pod = NetnsKeys::with_host_ids(entries.pod, host_ids);
     entries
         .addresses
         .extend(netns_keys.addresses.iter().map(address_words));
+    // Before the pod entry: the proxy may bind to ::6 as soon as its pod is captured.
+    passthrough::add_ipv6(netns)?;
     // TPROXY's return route goes in before the pod entry that starts marking connections.
     let tproxy_mode = entries.pod.flags & flags::TPROXY != 0;
     if tproxy_mode {
@@ -247,6 +255,7 @@ fn netns_keys(
         excluded_ifindexes,
         rerouted_ifindexes,
         routes: facts.routes.clone(),
+        proxy_host_ids: None,
     }
 }
 

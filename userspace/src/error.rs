@@ -151,6 +151,8 @@ pub enum EnrollError {
     Pins(#[from] LoadError),
     #[error(transparent)]
     Tproxy(#[from] crate::tproxy::TproxyError),
+    #[error(transparent)]
+    Userns(#[from] crate::userns::UsernsError),
     #[error("cannot create {path}: {source}")]
     StateDir { path: PathBuf, source: io::Error },
     #[error(

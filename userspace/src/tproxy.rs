@@ -17,19 +17,14 @@
 
 use std::{fs, io, path::Path};
 
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
-};
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     route::{RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 use sidestep_abi::defaults::{TPROXY_MARK, TPROXY_ROUTE_TABLE};
 
-use crate::netns::Netns;
+use crate::{netns::Netns, rtnl::Rtnl};
 
 const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
 /// Present when the netns has IPv6.
@@ -95,20 +90,7 @@ fn apply(on: bool, families: &[AddressFamily]) -> Result<(), (&'static str, io::
     Ok(())
 }
 
-/// A NETLINK_ROUTE socket of the calling thread's netns.
-struct Rtnl {
-    socket: Socket,
-    seq: u32,
-}
-
 impl Rtnl {
-    fn open() -> io::Result<Self> {
-        let mut socket = Socket::new(NETLINK_ROUTE)?;
-        socket.bind_auto()?;
-        socket.connect(&SocketAddr::new(0, 0))?;
-        Ok(Self { socket, seq: 0 })
-    }
-
     /// `ip rule {add,del} fwmark 1337 lookup 133`.
     fn rule(&mut self, family: AddressFamily, add: bool) -> io::Result<()> {
         let mut msg = RuleMessage::default();
@@ -145,57 +127,5 @@ impl Rtnl {
             RouteNetlinkMessage::DelRoute(msg)
         };
         self.request(request, add)
-    }
-
-    /// Sends one request and waits for its acknowledgement. An add of what exists, or a delete
-    /// of what is gone, counts as done.
-    fn request(&mut self, message: RouteNetlinkMessage, add: bool) -> io::Result<()> {
-        self.seq += 1;
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK;
-        if add {
-            header.flags |= NLM_F_CREATE | NLM_F_EXCL;
-        }
-        header.sequence_number = self.seq;
-        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
-        packet.finalize();
-        let mut buf = vec![0; packet.buffer_len()];
-        packet.serialize(&mut buf);
-        self.socket.send(&buf, 0)?;
-        let mut reply = vec![0; 8192];
-        loop {
-            let n = self.socket.recv(&mut &mut reply[..], 0)?;
-            let mut offset = 0;
-            while offset < n {
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-                let len = msg.header.length as usize;
-                if msg.header.sequence_number == self.seq
-                    && let NetlinkPayload::Error(err) = msg.payload
-                {
-                    return match err.code {
-                        None => Ok(()),
-                        Some(code) => {
-                            let errno = -code.get();
-                            let benign = if add {
-                                errno == libc::EEXIST
-                            } else {
-                                errno == libc::ENOENT || errno == libc::ESRCH
-                            };
-                            // An IPv6-less kernel refuses the family; there is nothing to route.
-                            if benign || errno == libc::EAFNOSUPPORT {
-                                Ok(())
-                            } else {
-                                Err(io::Error::from_raw_os_error(errno))
-                            }
-                        }
-                    };
-                }
-                if len == 0 {
-                    break;
-                }
-                offset += len;
-            }
-        }
     }
 }

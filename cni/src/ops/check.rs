@@ -53,7 +53,8 @@ pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
             record.netns_cookie
         )));
     }
-    match ctx.dp.pod_entry(cookie, &record.policy) {
+    let host_ids = record.netns_keys.as_ref().and_then(|k| k.proxy_host_ids);
+    match ctx.dp.pod_entry(cookie, &record.policy, host_ids) {
         Ok(PodEntry::Matches) => {}
         Ok(PodEntry::Missing) => {
             return Err(failed(format!(

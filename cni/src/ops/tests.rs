@@ -129,7 +129,12 @@ impl Dataplane for Fake {
         }
         Ok(())
     }
-    fn pod_entry(&self, cookie: u64, policy: &Policy) -> Result<PodEntry, MapsError> {
+    fn pod_entry(
+        &self,
+        cookie: u64,
+        policy: &Policy,
+        _host_ids: Option<(u32, u32)>,
+    ) -> Result<PodEntry, MapsError> {
         Ok(match self.0.pods.borrow().get(&cookie) {
             None => PodEntry::Missing,
             Some(p) if p == policy => PodEntry::Matches,

@@ -99,6 +99,9 @@ pub mod defaults {
     pub const TPROXY_MARK: u32 = 1337;
     /// TPROXY mode: the routing table of that policy route (Istio's InboundTProxyRouteTable).
     pub const TPROXY_ROUTE_TABLE: u32 = 133;
+    /// `::6`, the IPv6 inbound passthrough source (the twin of 127.0.0.6), as octets: enrolment
+    /// adds it to the pod's `lo` as istio-iptables does.
+    pub const PASSTHROUGH_V6: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6];
 }
 
 /// `PodPolicy::flags` bits.

@@ -107,6 +107,11 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         policy::outbound_verdict(&decision)
     };
     if (Verdict { port, kind }).is_pass() {
+        // A socket connected again (UDP, or TCP after a failed connect) must not keep the
+        // original destination of an earlier captured connect: getpeername, sockops and
+        // SO_ORIGINAL_DST would report it for a connection that was never redirected.
+        // SAFETY: `sk` is this context's full socket, checked non-null above.
+        let _ = unsafe { SIDESTEP_ORIG.delete(sk) };
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
         return true;
     }

@@ -15,9 +15,10 @@
 //! probe tfo ADDR [--data TEXT]       TCP Fast Open: sendto(MSG_FASTOPEN) on a fresh socket, print
 //!                                    {"sent","peer","local","reply"}
 //! probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] [--read]
-//!       [--linger0] [--timeout-ms N]
+//!       [--linger0] [--first ADDR] [--timeout-ms N]
 //!     connect a socket prepared first (--fill-optmem: TCP-MD5 keys until net.core.optmem_max is
-//!     used up); print {"peer","local","reply","md5_keys"} or {"error","errno","stage"}
+//!     used up; --first: connect it to ADDR first, expecting that to fail); print
+//!     {"peer","local","reply","md5_keys","first_errno","orig_v4"} or {"error","errno","stage"}
 //! probe raw                          try raw IPv4/IPv6 and AF_PACKET sockets, print the errnos
 //! probe hold ADDR                    keep accepted connections open (echo), print accepts and closes
 //! probe origdst-echo ADDR[,ADDR...]  answer each connection with its SO_ORIGINAL_DST, then close
@@ -93,6 +94,7 @@ fn main() {
                 fill_optmem: flag("--fill-optmem"),
                 read: flag("--read"),
                 linger0: flag("--linger0"),
+                first: option("--first").map(parse),
                 timeout: Duration::from_millis(
                     option("--timeout-ms")
                         .map(|ms| ms.parse().expect("probe: --timeout-ms takes milliseconds"))

@@ -201,4 +201,30 @@ pub struct NetnsKeys {
     /// The routes written to the `cidr_list::ROUTE` list (pods with excluded interfaces).
     #[serde(default)]
     pub routes: Vec<Route>,
+    /// The proxy's (uid, gid) as the host sees them, when the netns belongs to a user namespace
+    /// of its own (`hostUsers: false`): what the pod entry holds instead of the policy's IDs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_host_ids: Option<(u32, u32)>,
+}
+
+impl NetnsKeys {
+    /// The pod entry an enrolment of `policy` writes into this netns.
+    pub fn pod_entry(
+        &self,
+        policy: &crate::policy::Policy,
+        netns_cookie: u64,
+    ) -> sidestep_abi::PodPolicy {
+        Self::with_host_ids(policy.to_map_entries(netns_cookie).pod, self.proxy_host_ids)
+    }
+
+    pub fn with_host_ids(
+        mut pod: sidestep_abi::PodPolicy,
+        host_ids: Option<(u32, u32)>,
+    ) -> sidestep_abi::PodPolicy {
+        if let Some((uid, gid)) = host_ids {
+            pod.proxy_uid = uid;
+            pod.proxy_gid = gid;
+        }
+        pod
+    }
 }

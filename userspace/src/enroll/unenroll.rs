@@ -242,11 +242,13 @@ pub fn unenroll_recorded(
     recorded: &Recorded<'_>,
 ) -> Result<bool, MapsError> {
     let entries = recorded.policy.to_map_entries(netns_cookie);
+    let host_ids = recorded.netns_keys.and_then(|k| k.proxy_host_ids);
+    let pod = super::NetnsKeys::with_host_ids(entries.pod, host_ids);
     // Absent is fine: an unenrolment interrupted after the pod entry left the rest.
     if maps
         .pods
         .get(&netns_cookie, 0)
-        .is_ok_and(|have| have != entries.pod)
+        .is_ok_and(|have| have != pod)
     {
         tracing::info!(
             netns_cookie,

@@ -170,6 +170,9 @@ pub(super) struct SockOptions {
     pub(super) fill_optmem: bool,
     pub(super) read: bool,
     pub(super) linger0: bool,
+    /// Connect to this address first on the same socket (its failure is expected: a TCP socket
+    /// can connect again only after a failed connect).
+    pub(super) first: Option<SocketAddr>,
     pub(super) timeout: Duration,
 }
 
@@ -238,6 +241,14 @@ pub(super) fn connect_sock(addr: SocketAddr, o: &SockOptions) -> i32 {
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         )
     };
+    let first_errno = o.first.map(|first| {
+        let (ss, len) = sockaddr(first);
+        // SAFETY: `ss` holds a sockaddr of length `len`.
+        match check(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }) {
+            Ok(_) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(-1),
+        }
+    });
     let (ss, len) = sockaddr(addr);
     // SAFETY: `ss` holds a sockaddr of length `len`.
     if let Err(e) = check(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }) {
@@ -245,6 +256,7 @@ pub(super) fn connect_sock(addr: SocketAddr, o: &SockOptions) -> i32 {
         return 1;
     }
     let stream = TcpStream::from(sock);
+    let orig = crate::sock::original_dst(&stream, libc::SOL_IP);
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -259,8 +271,11 @@ pub(super) fn connect_sock(addr: SocketAddr, o: &SockOptions) -> i32 {
         String::new()
     };
     println!(
-        "{{\"peer\":\"{peer}\",\"local\":\"{local}\",\"reply\":{},\"md5_keys\":{keys}}}",
-        json_str(&reply)
+        "{{\"peer\":\"{peer}\",\"local\":\"{local}\",\"reply\":{},\"md5_keys\":{keys},\
+         \"first_errno\":{},\"orig_v4\":{}}}",
+        json_str(&reply),
+        first_errno.map_or("null".into(), |e| e.to_string()),
+        crate::sock::json_result(&orig)
     );
     0
 }

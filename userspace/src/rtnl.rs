@@ -1,0 +1,78 @@
+//! A NETLINK_ROUTE socket of the calling thread's netns, for the few idempotent requests
+//! enrolment makes inside a pod (TPROXY's rule and route, the IPv6 passthrough address).
+
+use std::io;
+
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
+};
+use netlink_packet_route::RouteNetlinkMessage;
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+/// A NETLINK_ROUTE socket of the calling thread's netns.
+pub(crate) struct Rtnl {
+    socket: Socket,
+    seq: u32,
+}
+
+impl Rtnl {
+    pub(crate) fn open() -> io::Result<Self> {
+        let mut socket = Socket::new(NETLINK_ROUTE)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(Self { socket, seq: 0 })
+    }
+
+    /// Sends one request and waits for its acknowledgement. An add of what exists, or a delete
+    /// of what is gone, counts as done.
+    pub(crate) fn request(&mut self, message: RouteNetlinkMessage, add: bool) -> io::Result<()> {
+        self.seq += 1;
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        if add {
+            header.flags |= NLM_F_CREATE | NLM_F_EXCL;
+        }
+        header.sequence_number = self.seq;
+        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        self.socket.send(&buf, 0)?;
+        let mut reply = vec![0; 8192];
+        loop {
+            let n = self.socket.recv(&mut &mut reply[..], 0)?;
+            let mut offset = 0;
+            while offset < n {
+                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                let len = msg.header.length as usize;
+                if msg.header.sequence_number == self.seq
+                    && let NetlinkPayload::Error(err) = msg.payload
+                {
+                    return match err.code {
+                        None => Ok(()),
+                        Some(code) => {
+                            let errno = -code.get();
+                            let benign = if add {
+                                errno == libc::EEXIST
+                            } else {
+                                errno == libc::ENOENT || errno == libc::ESRCH
+                            };
+                            // An IPv6-less kernel refuses the family; there is nothing to route.
+                            if benign || errno == libc::EAFNOSUPPORT {
+                                Ok(())
+                            } else {
+                                Err(io::Error::from_raw_os_error(errno))
+                            }
+                        }
+                    };
+                }
+                if len == 0 {
+                    break;
+                }
+                offset += len;
+            }
+        }
+    }
+}
