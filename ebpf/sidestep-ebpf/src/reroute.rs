@@ -10,6 +10,12 @@
 //! - Egress: the proxy's packets from (interface address, outbound port) to a recorded client get
 //!   their source rewritten back to the original destination.
 //!
+//! A packet passed on ingress is forwarded by the pod, so TCP this program cannot follow to its
+//! header (IPv4 fragments, an IPv6 Fragment or Routing header, a truncated header) is dropped
+//! where Istio's rules would REDIRECT it: conntrack reassembles before nat, and a tc program
+//! cannot. IPv6 Hop-by-Hop, Destination Options and AH headers are followed, as ip6tables'
+//! `-p tcp` skips them.
+//!
 //! sk_assign cannot do this: the destinations are foreign, and a non-transparent listener cannot
 //! answer from a foreign source.
 
@@ -25,7 +31,7 @@ use sidestep_abi::{
 use crate::{
     context::load,
     maps::{SIDESTEP_PEND, SIDESTEP_RNAT, SIDESTEP_RRIF},
-    packet::{ETH_HLEN, Segment, parse_tcp},
+    packet::{ETH_HLEN, Parsed, Segment, parse_rerouted},
     policy,
 };
 
@@ -66,7 +72,8 @@ fn interface(ctx: &TcContext, ingress: bool) -> Option<RerouteIf> {
 
 /// Rewrites the address at `addr_off` and the port at `port_off` (both inside the TCP/IP headers
 /// of `seg`) from `old` to `new`, fixing the TCP checksum (pseudo-header included) and, for IPv4,
-/// the header checksum.
+/// the header checksum. `seg.l4` is past any extension headers; the pseudo-header's addresses
+/// are the fixed header's (a Routing header, which would change that, never gets here).
 #[inline(always)]
 fn rewrite(
     ctx: &TcContext,
@@ -104,10 +111,38 @@ fn rewrite(
     Ok(())
 }
 
+/// Ingress TCP whose header cannot be reached (see [`Parsed::Opaque`]). Istio's rules would
+/// reassemble it and REDIRECT it when the include ranges cover `dst`; sidestep cannot, and
+/// passing it would forward it around the proxy, so it drops it (fail closed). What Istio would
+/// leave alone (outside the include ranges, IPv6 of a pod without IPv6 capture) passes.
+#[inline(always)]
+fn on_opaque(ctx: &TcContext, ipv6: bool, dst: &[u32; 4]) -> i32 {
+    let Some(iface) = interface(ctx, true) else {
+        return DROP;
+    };
+    let netns_cookie = iface.netns_cookie;
+    let Some(pod) = policy::pod_policy(netns_cookie) else {
+        return DROP;
+    };
+    if ipv6 && pod.flags & flags::IPV6 == 0 {
+        return NEXT;
+    }
+    if iface.flags & reroute_flags::ALL_RANGES == 0
+        && !policy::cidr_listed(netns_cookie, cidr_list::OUTBOUND_INCLUDE, dst)
+    {
+        return NEXT;
+    }
+    DROP
+}
+
 #[classifier]
 pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
-    let Some(seg) = parse_tcp(&ctx) else {
-        return NEXT;
+    let seg = match parse_rerouted(&ctx) {
+        Parsed::Tcp(seg) => seg,
+        Parsed::Other => return NEXT,
+        Parsed::Opaque { ipv6, dst } => return on_opaque(&ctx, ipv6, &dst),
+        // The kernel drops it too; dropping here keeps "never forwarded unparsed" unconditional.
+        Parsed::Broken => return DROP,
     };
     let syn = seg.is_syn();
     let Some(iface) = interface(&ctx, true) else {
@@ -195,7 +230,12 @@ pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn sidestep_reroute_eg(ctx: TcContext) -> i32 {
-    let Some(seg) = parse_tcp(&ctx) else {
+    // The proxy's segments carry extension headers only when its listener set sticky options
+    // (accepted sockets inherit them) or IPsec AH applies; both are followed, at the offset found.
+    // What cannot be followed passes unrewritten: egress goes into the VM, so nothing bypasses
+    // the proxy, and a reply the VM does not recognise only fails that connection. The kernel
+    // does not fragment the proxy's TCP (it sizes segments to the path MTU).
+    let Parsed::Tcp(seg) = parse_rerouted(&ctx) else {
         return NEXT;
     };
     let Some(iface) = interface(&ctx, false) else {

@@ -30,6 +30,8 @@
 // hence the explicit paths.
 #[path = "probe/bypass.rs"]
 mod bypass;
+#[path = "probe/craft.rs"]
+mod craft;
 #[path = "probe/redirect.rs"]
 mod redirect;
 #[path = "probe/sock.rs"]
@@ -103,6 +105,27 @@ fn main() {
             },
         ),
         Some("raw") => raw(),
+        // Crafted packets (probe/craft.rs documents both).
+        Some("connect-ext") => craft::connect_ext(
+            addr(1),
+            if flag("--hopopts") {
+                craft::ExtHeader::HopByHop
+            } else {
+                craft::ExtHeader::DestOpts
+            },
+            Duration::from_secs(3),
+        ),
+        Some("frag-syn") => craft::frag_syn(
+            args.get(1)
+                .and_then(|a| a.parse().ok())
+                .expect("probe: frag-syn SRC-IP DST"),
+            addr(2),
+            Duration::from_millis(
+                option("--wait-ms")
+                    .map(|ms| ms.parse().expect("probe: --wait-ms takes milliseconds"))
+                    .unwrap_or(1500),
+            ),
+        ),
         Some("hold") => hold(addr(1)),
         Some("origdst-echo") => {
             let addrs: Vec<SocketAddr> = args

@@ -9,6 +9,10 @@ use sidestep_tests::{Pod, netns};
 
 use crate::{GW4, GW6, IFACE, probe, run};
 
+/// The VM's own addresses.
+pub(super) const VM4: &str = "192.168.77.2";
+pub(super) const VM6: &str = "fd77::2";
+
 /// The VM: a netns behind `vm0` of the pod. Deleting it deletes the veth pair too.
 pub(super) struct Vm {
     name: String,
@@ -42,11 +46,11 @@ impl Vm {
             v,
             "addr",
             "add",
-            "192.168.77.2/24",
+            &format!("{VM4}/24"),
             "dev",
             "eth0",
         ])?;
-        netns::add_addr(v, "eth0", "fd77::2/64")?;
+        netns::add_addr(v, "eth0", &format!("{VM6}/64"))?;
         run(&["ip", "-n", v, "link", "set", "eth0", "up"])?;
         run(&["ip", "-n", v, "route", "add", "default", "via", GW4])?;
         run(&["ip", "-n", v, "-6", "route", "add", "default", "via", GW6])?;
@@ -58,27 +62,29 @@ impl Vm {
     /// `probe connect` from the VM: its JSON line.
     pub(super) fn connect(&self, to: SocketAddr, http: bool) -> Result<Value> {
         let to = to.to_string();
-        let mut argv = vec![
-            "ip",
-            "netns",
-            "exec",
-            &self.name,
-            probe(),
-            "connect",
-            &to,
-            "--timeout-ms",
-            "3000",
-        ];
+        let mut args = vec!["connect", &to, "--timeout-ms", "3000"];
         if http {
-            argv.push("--http");
+            args.push("--http");
         }
-        let out = Command::new(argv[0]).args(&argv[1..]).output()?;
+        self.probe(&args)
+    }
+
+    /// A probe subcommand run in the VM (as root): the last JSON line it printed.
+    pub(super) fn probe(&self, args: &[&str]) -> Result<Value> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, probe()])
+            .args(args)
+            .output()?;
         let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .last()
-            .context("probe connect printed nothing")?;
-        serde_json::from_str(line).with_context(|| format!("probe connect printed {line:?}"))
+        let line = text.lines().last().with_context(|| {
+            format!(
+                "probe {} printed nothing: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+        serde_json::from_str(line)
+            .with_context(|| format!("probe {} printed {line:?}", args.join(" ")))
     }
 }
 
