@@ -49,6 +49,24 @@ pub enum FailStrategy {
     Open,
 }
 
+/// Where ADD reads the pod from (`pod_source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PodSourceChoice {
+    /// The Pod from the API when a kubeconfig is configured, as istio-cni reads it: the proxy
+    /// container's securityContext, env and args decide too. The runtime's annotations are the
+    /// fallback when the API does not answer within the retry budget, and the only source
+    /// without a kubeconfig.
+    #[default]
+    Auto,
+    /// The API only: no answer within the budget is an error (fail_strategy decides).
+    Api,
+    /// The runtime's annotations only (`io.kubernetes.cri.pod-annotations`): no API call, for
+    /// clusters that want none. The container spec is not seen: the proxy UID/GID are the
+    /// mesh's defaults and the injector's status annotation stands in for the container list.
+    Annotations,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct KubernetesConfig {
     pub kubeconfig: Option<PathBuf>,
@@ -91,6 +109,7 @@ pub struct PluginConfig {
     pub log_level: Option<String>,
     pub log_file: Option<PathBuf>,
     pub kubernetes: KubernetesConfig,
+    pub pod_source: PodSourceChoice,
     pub policy: Option<Policy>,
     pub fail_strategy: FailStrategy,
     /// Where inbound capture hooks in, for every pod this network enrols (`inbound_hook`).
@@ -175,6 +194,7 @@ struct Raw {
     plugin_log_level: Option<String>,
     log_file: Option<PathBuf>,
     kubernetes: Option<RawKubernetes>,
+    pod_source: Option<PodSourceChoice>,
     policy: Option<Value>,
     fail_strategy: Option<FailStrategy>,
     inbound_hook: Option<InboundHook>,
@@ -249,6 +269,7 @@ impl PluginConfig {
             plugin_log_level: take(obj, "plugin_log_level")?,
             log_file: take(obj, "log_file")?,
             kubernetes: take(obj, "kubernetes")?,
+            pod_source: take(obj, "pod_source")?,
             policy: take(obj, "policy")?,
             fail_strategy: take(obj, "fail_strategy")?,
             inbound_hook: take(obj, "inbound_hook")?,
@@ -295,6 +316,13 @@ impl PluginConfig {
         if kubernetes.pod_read_retries == 0 {
             return Err(field("kubernetes.pod_read_retries", "must be at least 1"));
         }
+        let pod_source = raw.pod_source.unwrap_or_default();
+        if pod_source == PodSourceChoice::Api && kubernetes.kubeconfig.is_none() {
+            return Err(field(
+                "pod_source",
+                "\"api\" needs kubernetes.kubeconfig (the agent writes one)",
+            ));
+        }
         let policy = raw
             .policy
             .map(|v| {
@@ -340,6 +368,7 @@ impl PluginConfig {
                 .map(|p| absolute("log_file", Some(p), ""))
                 .transpose()?,
             kubernetes,
+            pod_source,
             policy,
             fail_strategy: raw.fail_strategy.unwrap_or_default(),
             inbound_hook: raw.inbound_hook.unwrap_or(DEFAULT_INBOUND_HOOK),

@@ -7,7 +7,7 @@ use std::thread;
 use serde_json::Value;
 
 use crate::{
-    config::{KubernetesConfig, PluginConfig},
+    config::{KubernetesConfig, PluginConfig, PodSourceChoice},
     mesh::Identity,
     pod::PodInfo,
 };
@@ -21,7 +21,8 @@ pub trait PodReader {
 pub enum PodReadError {
     #[error(
         "pod {pod} cannot be read: the runtime passed no pod annotations (declare the \
-         io.kubernetes.cri.pod-annotations capability) and the config has no kubernetes.kubeconfig"
+         io.kubernetes.cri.pod-annotations capability) and the config has no \
+         kubernetes.kubeconfig (or pod_source is \"annotations\")"
     )]
     NoSource { pod: String },
     #[error("pod {pod} cannot be read from the Kubernetes API after {tries} tries: {last}")]
@@ -71,25 +72,59 @@ pub fn read_with_retries(
     })
 }
 
-/// The pod's data from whichever source this invocation has.
+/// Where the pod data of an ADD came from, for its log line and its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceUsed {
+    Api,
+    Annotations,
+    /// The API did not answer within the retry budget; the runtime's annotations decided.
+    AnnotationsAfterApiFailure,
+}
+
+impl SourceUsed {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::Annotations => "annotations",
+            Self::AnnotationsAfterApiFailure => "annotations-fallback",
+        }
+    }
+}
+
+/// The pod's data from the source `pod_source` picks (see [`PodSourceChoice`]).
 pub fn pod_info(
     cfg: &PluginConfig,
     id: &Identity,
     reader: &dyn PodReader,
-) -> Result<PodInfo, PodReadError> {
-    if let Some(annotations) = &cfg.pod_annotations {
-        return Ok(PodInfo::from_annotations(
-            &id.name,
-            &id.namespace,
-            annotations.clone(),
-        ));
+) -> Result<(PodInfo, SourceUsed), PodReadError> {
+    let from_annotations = || {
+        cfg.pod_annotations
+            .as_ref()
+            .map(|a| PodInfo::from_annotations(&id.name, &id.namespace, a.clone()))
+    };
+    let use_api =
+        cfg.kubernetes.kubeconfig.is_some() && cfg.pod_source != PodSourceChoice::Annotations;
+    if !use_api {
+        return from_annotations()
+            .map(|p| (p, SourceUsed::Annotations))
+            .ok_or_else(|| PodReadError::NoSource {
+                pod: id.to_string(),
+            });
     }
-    if cfg.kubernetes.kubeconfig.is_none() {
-        return Err(PodReadError::NoSource {
-            pod: id.to_string(),
-        });
+    match read_with_retries(reader, id, &cfg.kubernetes) {
+        Ok(pod) => Ok((pod, SourceUsed::Api)),
+        Err(e) if cfg.pod_source == PodSourceChoice::Auto => match from_annotations() {
+            Some(pod) => {
+                tracing::warn!(
+                    "{e}; deciding from the runtime's annotations instead (the proxy \
+                     container's securityContext and env are not seen)"
+                );
+                Ok((pod, SourceUsed::AnnotationsAfterApiFailure))
+            }
+            None => Err(e),
+        },
+        Err(e) => Err(e),
     }
-    read_with_retries(reader, id, &cfg.kubernetes)
 }
 
 #[cfg(test)]
@@ -139,6 +174,85 @@ mod tests {
         let pod = read_with_retries(&r, &id(), &fast(3)).unwrap();
         assert_eq!(pod.name, "web");
         assert_eq!(r.calls.get(), 3);
+    }
+
+    fn plugin_config(extra: serde_json::Value) -> PluginConfig {
+        let mut v = json!({"cniVersion": "1.0.0", "name": "n", "type": "sidestep",
+                           "kubernetes": {"kubeconfig": "/k", "pod_read_retries": 2,
+                                          "pod_read_interval_ms": 1}});
+        for (k, val) in extra.as_object().unwrap() {
+            v[k] = val.clone();
+        }
+        PluginConfig::parse(&serde_json::to_vec(&v).unwrap(), crate::spec::Command::Add).unwrap()
+    }
+
+    fn with_annotations() -> serde_json::Value {
+        json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"a": "b"}}})
+    }
+
+    #[test]
+    fn the_api_comes_first_when_a_kubeconfig_is_set() {
+        let up = Flaky {
+            fail_first: 0,
+            calls: Cell::new(0),
+        };
+        let (pod, source) = pod_info(&plugin_config(with_annotations()), &id(), &up).unwrap();
+        assert_eq!(
+            (source, pod.source),
+            (SourceUsed::Api, crate::pod::PodSource::Api)
+        );
+        assert_eq!(up.calls.get(), 1);
+    }
+
+    #[test]
+    fn annotations_are_the_fallback_only_in_auto() {
+        let down = || Flaky {
+            fail_first: 100,
+            calls: Cell::new(0),
+        };
+        let r = down();
+        let (_, source) = pod_info(&plugin_config(with_annotations()), &id(), &r).unwrap();
+        assert_eq!(source, SourceUsed::AnnotationsAfterApiFailure);
+        assert_eq!(r.calls.get(), 2, "the whole retry budget is spent first");
+        // No annotations to fall back to: the API's error.
+        let r = down();
+        let e = pod_info(&plugin_config(json!({})), &id(), &r).unwrap_err();
+        assert!(matches!(e, PodReadError::Api { tries: 2, .. }), "{e}");
+        // pod_source api: no fallback.
+        let mut cfg = with_annotations();
+        cfg["pod_source"] = json!("api");
+        let e = pod_info(&plugin_config(cfg), &id(), &down()).unwrap_err();
+        assert!(matches!(e, PodReadError::Api { .. }), "{e}");
+    }
+
+    #[test]
+    fn pod_source_annotations_never_calls_the_api() {
+        let r = Flaky {
+            fail_first: 0,
+            calls: Cell::new(0),
+        };
+        let mut cfg = with_annotations();
+        cfg["pod_source"] = json!("annotations");
+        let (pod, source) = pod_info(&plugin_config(cfg), &id(), &r).unwrap();
+        assert_eq!(source, SourceUsed::Annotations);
+        assert_eq!(pod.source, crate::pod::PodSource::RuntimeAnnotations);
+        assert_eq!(r.calls.get(), 0);
+        let e = pod_info(
+            &plugin_config(json!({"pod_source": "annotations"})),
+            &id(),
+            &r,
+        )
+        .unwrap_err();
+        assert!(matches!(e, PodReadError::NoSource { .. }), "{e}");
+    }
+
+    #[test]
+    fn pod_source_api_needs_a_kubeconfig() {
+        let v =
+            json!({"cniVersion": "1.0.0", "name": "n", "type": "sidestep", "pod_source": "api"});
+        let e = PluginConfig::parse(&serde_json::to_vec(&v).unwrap(), crate::spec::Command::Add)
+            .unwrap_err();
+        assert!(e.to_string().contains("pod_source"), "{e}");
     }
 
     #[test]

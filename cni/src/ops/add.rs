@@ -47,11 +47,20 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let cookie = ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
 
     let (enrolment, identity, api_ips) = match resolve(ctx) {
-        Ok(Resolved::Skip(reason)) => {
-            tracing::info!("{} not captured: {reason}", args_label(ctx));
+        Ok(Resolved::Skip(reason, source)) => {
+            tracing::info!(
+                "{} not captured: {reason}{}",
+                args_label(ctx),
+                source.map_or(String::new(), |s| format!(" (decided from {})", s.as_str()))
+            );
             return Ok(output);
         }
-        Ok(Resolved::Enrol(e)) => (e.enrolment, e.identity, e.api_ips),
+        Ok(Resolved::Enrol(e)) => {
+            if let Some(s) = e.source {
+                tracing::info!("{}: captured, decided from {}", args_label(ctx), s.as_str());
+            }
+            (e.enrolment, e.identity, e.api_ips)
+        }
         Err(Ok(u)) => return uncaptured(ctx, u).map(|()| output),
         Err(Err(e)) => return Err(e),
     };

@@ -29,7 +29,7 @@ pub fn check(ctx: &Ctx<'_>) -> Result<(), CniError> {
         }
         // No record: fine if ADD skipped this pod, which the same inputs decide again.
         return match resolve(ctx) {
-            Ok(Resolved::Skip(_)) => Ok(()),
+            Ok(Resolved::Skip(..)) => Ok(()),
             Ok(Resolved::Enrol(e)) => Err(failed(format!(
                 "{} should be captured but ADD left no record in {}",
                 pod_label(e.identity.as_ref(), cid),

@@ -31,7 +31,8 @@ pub struct Ctx<'a> {
 
 /// The outcome of the decision for this attachment.
 pub(crate) enum Resolved {
-    Skip(SkipReason),
+    /// Not captured, and where the pod data that decided it came from (`None`: no pod read).
+    Skip(SkipReason, Option<podsource::SourceUsed>),
     Enrol(Box<ToEnrol>),
 }
 
@@ -40,6 +41,8 @@ pub(crate) struct ToEnrol {
     pub identity: Option<Identity>,
     /// status.podIPs of the pod object, for when prevResult has none.
     pub api_ips: Vec<std::net::IpAddr>,
+    /// Where the pod data came from (`None`: the config's own policy, no pod read).
+    pub source: Option<podsource::SourceUsed>,
 }
 
 /// Why a pod that should be captured is not; FAIL_OPEN lets these through.
@@ -50,7 +53,7 @@ pub(crate) struct Uncaptured {
 
 pub(crate) fn resolve(ctx: &Ctx<'_>) -> Result<Resolved, Result<Uncaptured, CniError>> {
     match mesh::before_pod_read(ctx.cfg, &ctx.env.args) {
-        PreDecision::Skip(r) => Ok(Resolved::Skip(r)),
+        PreDecision::Skip(r) => Ok(Resolved::Skip(r, None)),
         PreDecision::ConfigPolicy(policy) => Ok(Resolved::Enrol(Box::new(ToEnrol {
             enrolment: Enrolment {
                 policy: *policy,
@@ -58,9 +61,10 @@ pub(crate) fn resolve(ctx: &Ctx<'_>) -> Result<Resolved, Result<Uncaptured, CniE
             },
             identity: None,
             api_ips: Vec::new(),
+            source: None,
         }))),
         PreDecision::ReadPod(id) => {
-            let pod = podsource::pod_info(ctx.cfg, &id, ctx.pods).map_err(|e| {
+            let (pod, source) = podsource::pod_info(ctx.cfg, &id, ctx.pods).map_err(|e| {
                 let c = match e {
                     podsource::PodReadError::NoSource { .. } => code::INVALID_CONFIG,
                     podsource::PodReadError::Api { .. } => code::POD_UNREADABLE,
@@ -71,11 +75,12 @@ pub(crate) fn resolve(ctx: &Ctx<'_>) -> Result<Resolved, Result<Uncaptured, CniE
                 })
             })?;
             match mesh::decide_pod(ctx.cfg.mesh, &pod).map_err(|e| Err(e.to_cni()))? {
-                Decision::Skip(r) => Ok(Resolved::Skip(r)),
+                Decision::Skip(r) => Ok(Resolved::Skip(r, Some(source))),
                 Decision::Enrol(e) => Ok(Resolved::Enrol(Box::new(ToEnrol {
                     enrolment: *e,
                     identity: Some(id),
                     api_ips: pod.pod_ips,
+                    source: Some(source),
                 }))),
             }
         }
