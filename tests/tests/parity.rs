@@ -5,8 +5,10 @@
 //! identical, or the row carries an `Intended` mark whose exact sidestep outcome is asserted.
 //!
 //! Topology: the subject pod `S` (the one under capture), another pod `P`, and the node (the root
-//! netns, reached at the bridge address `GW`). Probe listeners report each accepted connection:
-//! in S the proxy's 15001/15006/15053 (UID 1337) and app ports, in P and on the node app ports.
+//! netns, reached at the bridge address `GW`). S has a second interface `net1` on a second
+//! network (another bridge), where pod `Q` lives. Probe listeners report each accepted
+//! connection: in S the proxy's 15001/15006/15053 (UID 1337) and app ports, in P, Q and on the
+//! node app ports.
 //!
 //! The whole table runs through sidestep first, once per inbound hook (tc, sk_lookup), then
 //! through the oracle. The oracle's rules are
@@ -15,9 +17,16 @@
 //! is why the oracle reports a non-redirected socket's own address; see rule G in
 //! parity/verdict.rs).
 //!
+//! Each set enrols S again with `sidestep enroll` over the previous set's enrolment (a
+//! re-enrolment, as the agent's repair makes), except the last two sets, which go through
+//! sidestep-cni as a runtime runs it: ADD of eth0 and ADD of net1 into a fresh netns, then DEL of
+//! net1 (parity/ifaces.rs).
+//!
 //! Needs root; skips otherwise.
 
 // A test target's modules resolve beside it, not in a directory of its name.
+#[path = "parity/ifaces.rs"]
+mod ifaces;
 #[path = "parity/run.rs"]
 mod run;
 #[path = "parity/table.rs"]
@@ -52,6 +61,7 @@ fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")
 }
 
+use ifaces::{Cni, Ifaces};
 use run::{Topology, collect, scenarios, sidestep_flags};
 use table::Set;
 use verdict::{Verdict, judge};
@@ -73,8 +83,17 @@ fn parity_with_istio_iptables() -> Result<()> {
     let node = Node::new(&env, NodeOptions::dual_stack())?;
     let s = node.add_pod("subject")?;
     let p = node.add_pod("peer")?;
-    let netns_paths = [s.netns_path.clone(), p.netns_path.clone()];
+    // The second network: S's net1 and pod Q.
+    let net2 = Node::new(&env, NodeOptions::dual_stack())?;
+    let q = net2.add_pod("q")?;
+    let x = Ifaces::new(&net2, &s, &p, q.clone())?;
+    let netns_paths = [
+        s.netns_path.clone(),
+        p.netns_path.clone(),
+        q.netns_path.clone(),
+    ];
     let mut names = Names::default();
+    x.name(&mut names);
     let topo = Topology {
         s6: s.ipv6.context("dual-stack pod without IPv6")?,
         p6: p.ipv6.context("dual-stack pod without IPv6")?,
@@ -82,6 +101,7 @@ fn parity_with_istio_iptables() -> Result<()> {
         gw6: node.gateway_v6().context("dual-stack node without IPv6")?,
         s: s.clone(),
         p: p.clone(),
+        x,
         names: Names::default(),
     };
     names.add(topo.s.ipv4.into(), "S4");
@@ -123,6 +143,9 @@ fn parity_with_istio_iptables() -> Result<()> {
     listeners.start(&env, probe(), Some(&p), 0, 0, &wild(&P_PORTS), |p| {
         format!("P:{p}")
     })?;
+    listeners.start(&env, probe(), Some(&q), 0, 0, &wild(&[80]), |p| {
+        format!("Q:{p}")
+    })?;
     listeners.start(
         &env,
         probe(),
@@ -145,19 +168,49 @@ fn parity_with_istio_iptables() -> Result<()> {
     let mut by_hook = Vec::new();
     for hook in HOOKS {
         let loaded = Loaded::load(&env)?;
+        let cni = Cni::new(&env, loaded.pin_root(), hook)?;
+        let mut attached = false;
         let outcomes = collect(&env, &topo, &mut listeners, &all, |set, listeners| {
-            let capture_ipv6 = set != Set::V4First;
-            let mut flags = sidestep_flags(&topo.istio(set), capture_ipv6);
-            flags.extend(["--inbound-hook".to_owned(), hook.to_owned()]);
-            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-            loaded.enroll(&s, &flags)?;
-            if hook == "sk_lookup" {
-                listeners.stop(proxy);
-                proxy = start_proxy(listeners)?;
+            match set {
+                Set::TwoAttachments => {
+                    // The netns as a runtime hands it to the chain: not enrolled, and (for
+                    // sk_lookup) no proxy listening yet, or the plugin would fall back to tc.
+                    loaded.unenroll(&s)?;
+                    if hook == "sk_lookup" {
+                        listeners.stop(proxy);
+                    }
+                    attached = true;
+                    cni.run("ADD", node.network(), &s, "eth0", &s.cni_result)?;
+                    cni.run("ADD", net2.network(), &s, "net1", &topo.x.net1_result)?;
+                    if hook == "sk_lookup" {
+                        proxy = start_proxy(listeners)?;
+                    }
+                }
+                Set::Net1Deleted => {
+                    cni.run("DEL", net2.network(), &s, "net1", &topo.x.net1_result)?;
+                }
+                _ => {
+                    let capture_ipv6 = set != Set::V4First;
+                    let mut flags = sidestep_flags(&topo.istio(set), capture_ipv6, env.tmp_dir())?;
+                    flags.extend(["--inbound-hook".to_owned(), hook.to_owned()]);
+                    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+                    loaded.enroll(&s, &flags)?;
+                    if hook == "sk_lookup" {
+                        listeners.stop(proxy);
+                        proxy = start_proxy(listeners)?;
+                    }
+                }
             }
             Ok(())
-        })
-        .with_context(|| format!("inbound hook {hook}"))?;
+        });
+        // The last attachment's DEL, also after a failure (the plugin's records outlive the pins).
+        let deleted = if attached {
+            cni.run("DEL", node.network(), &s, "eth0", &s.cni_result)
+        } else {
+            Ok(())
+        };
+        let outcomes = outcomes.with_context(|| format!("inbound hook {hook}"))?;
+        deleted?;
         loaded.unload()?;
         by_hook.push(outcomes);
     }
@@ -263,7 +316,9 @@ fn parity_with_istio_iptables() -> Result<()> {
 
     drop(listeners);
     drop(oracle_rules);
-    drop((s, p, topo));
+    drop((s, p, q, topo));
+    // net2 first: it detaches S's net1, in S's netns, which node's drop deletes.
+    drop(net2);
     drop(node);
     for path in &netns_paths {
         ensure!(!path.exists(), "netns {} left behind", path.display());

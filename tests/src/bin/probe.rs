@@ -2,9 +2,10 @@
 //! reports (peer, local address, SO_ORIGINAL_DST) as JSON lines, so tests assert exact values.
 //!
 //! ```text
-//! probe connect ADDR [--http] [--bind ADDR] [--timeout-ms N]
-//!     connect (from a socket bound to --bind first, if given; within N ms, default 5000) and
-//!     print {"peer","local","status"}, or {"error","errno"} when the connect fails
+//! probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N]
+//!     connect (from a socket bound to --bind and to --device with SO_BINDTODEVICE first, if
+//!     given; within N ms, default 5000) and print {"peer","local","status"}, or
+//!     {"error","errno"} when the connect fails
 //! probe udp-serve ADDR               answer every datagram with "reply to <sender>"
 //! probe udp-query ADDR [--connect]   send one datagram, print {"from","reply"}
 //! probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only]
@@ -65,6 +66,7 @@ fn main() {
                 addr(1),
                 flag("--http"),
                 option("--bind").map(parse),
+                option("--device"),
                 Duration::from_millis(timeout),
             )
         }
@@ -155,7 +157,7 @@ fn main() {
         }
         _ => {
             eprintln!(
-                "usage: probe connect ADDR [--http] [--bind ADDR] [--timeout-ms N] | \
+                "usage: probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N] | \
                  probe udp-serve ADDR | probe udp-query ADDR [--connect] | \
                  probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only] | \
                  probe tfo ADDR [--data TEXT] | \

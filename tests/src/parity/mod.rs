@@ -114,10 +114,18 @@ impl Names {
         ip.to_string()
     }
 
-    /// `addr` with the IP by name: `S4:8080`, `[S6]:8080`, `[::ffff:P4]:80`, `127.0.0.1:15001`.
+    /// `addr` with the IP by name: `S4:8080`, `[S6]:8080`, `[::ffff:P4]:80`, `127.0.0.1:15001`;
+    /// an IPv6 scope id is kept (`[S6ll%2]:8080`): without it a link-local address cannot be
+    /// connected to.
     pub fn addr(&self, addr: SocketAddr) -> String {
         match addr {
             SocketAddr::V4(a) => format!("{}:{}", self.ip(IpAddr::V4(*a.ip())), a.port()),
+            SocketAddr::V6(a) if a.scope_id() != 0 => format!(
+                "[{}%{}]:{}",
+                self.ip(IpAddr::V6(*a.ip())),
+                a.scope_id(),
+                a.port()
+            ),
             SocketAddr::V6(a) => format!("[{}]:{}", self.ip(IpAddr::V6(*a.ip())), a.port()),
         }
     }

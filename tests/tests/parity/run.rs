@@ -2,7 +2,8 @@
 //! sidestep enrol flags, and one probe connect per scenario with what both ends saw. The same
 //! code serves both implementations, so any difference in the outcomes is theirs.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -13,6 +14,7 @@ use sidestep_tests::{
     parity::{Listeners, Names, Outcome, outcome},
 };
 
+use crate::ifaces::Ifaces;
 use crate::table::{Dst, Fam, Intended, Set, Src, TABLE, sets};
 use crate::{APP_UID, CONNECT_TIMEOUT_MS, OTHER_UID, PROXY_UID, probe};
 
@@ -23,6 +25,8 @@ pub(super) struct Topology {
     pub(super) gw6: Ipv6Addr,
     pub(super) s6: Ipv6Addr,
     pub(super) p6: Ipv6Addr,
+    /// net1, pod Q, link-local and late addresses.
+    pub(super) x: Ifaces,
     pub(super) names: Names,
 }
 
@@ -42,6 +46,11 @@ impl Topology {
             Set::InboundOff => "inclInPorts=\"\"",
             Set::Dns => "dnsCapture",
             Set::Tproxy => "interceptionMode=TPROXY",
+            Set::ExcludeIfaces => "excludeInterfaces=net1",
+            Set::ExcludeIfacesTproxy => "excludeInterfaces=net1/TPROXY",
+            Set::LateAddrs => "defaults, addrs after enrol",
+            Set::TwoAttachments => "defaults, CNI ADD eth0+net1",
+            Set::Net1Deleted => "defaults, CNI DEL net1",
         }
     }
 
@@ -53,7 +62,7 @@ impl Topology {
             ..IstioCapture::default()
         };
         match set {
-            Set::Defaults => base,
+            Set::Defaults | Set::LateAddrs | Set::TwoAttachments | Set::Net1Deleted => base,
             Set::V4First | Set::V4FirstSidestepV6 => IstioCapture {
                 ipv6: false,
                 ..base
@@ -100,16 +109,54 @@ impl Topology {
                 mode: Mode::Tproxy,
                 ..base
             },
+            Set::ExcludeIfaces => IstioCapture {
+                exclude_interfaces: "net1".into(),
+                ..base
+            },
+            Set::ExcludeIfacesTproxy => IstioCapture {
+                exclude_interfaces: "net1".into(),
+                mode: Mode::Tproxy,
+                ..base
+            },
         }
     }
 
-    fn dest(&self, to: Dst, fam: Fam, port: u16) -> Result<SocketAddr> {
+    fn dest(&self, from: Src, to: Dst, fam: Fam, port: u16) -> Result<SocketAddr> {
+        let x = &self.x;
+        // A link-local destination, with the scope its client gives: its own interface.
+        let scoped = |ip: Ipv6Addr, scope: u32| -> Result<SocketAddr> {
+            anyhow::ensure!(fam == Fam::V6, "a link-local destination is IPv6 only");
+            Ok(SocketAddr::V6(SocketAddrV6::new(ip, port, 0, scope)))
+        };
         let (v4, v6): (Ipv4Addr, Option<Ipv6Addr>) = match to {
             Dst::SelfIp => (self.s.ipv4, Some(self.s6)),
             Dst::Lo1 => (Ipv4Addr::LOCALHOST, Some(Ipv6Addr::LOCALHOST)),
             Dst::Lo2 => (Ipv4Addr::new(127, 0, 0, 2), None),
             Dst::Peer => (self.p.ipv4, Some(self.p6)),
             Dst::Node => (self.gw4, Some(self.gw6)),
+            Dst::SelfNet1 => (x.n4, Some(x.n6)),
+            Dst::SelfLate => (x.late4, Some(x.late6)),
+            Dst::Net1Peer => (x.q.ipv4, Some(x.q6)),
+            Dst::SelfLl => {
+                let scope = match from {
+                    Src::OtherPod => x.p_eth0,
+                    Src::Net1Pod | Src::Node => anyhow::bail!("S's eth0 is not on that link"),
+                    _ => x.s_eth0,
+                };
+                return scoped(x.ll, scope);
+            }
+            Dst::PeerLl => {
+                anyhow::ensure!(from != Src::OtherPod, "P's own link-local");
+                return scoped(x.p_ll, x.s_eth0);
+            }
+            Dst::SelfNet1Ll => {
+                let scope = match from {
+                    Src::Net1Pod => x.q_eth0,
+                    Src::OtherPod | Src::Node => anyhow::bail!("S's net1 is not on that link"),
+                    _ => x.s_net1,
+                };
+                return scoped(x.ll1, scope);
+            }
         };
         let ip = match fam {
             Fam::V4 => IpAddr::V4(v4),
@@ -120,9 +167,24 @@ impl Topology {
     }
 }
 
-/// The sidestep enrol flags equivalent to istio's options.
-pub(super) fn sidestep_flags(c: &IstioCapture, capture_ipv6: bool) -> Vec<String> {
+/// The sidestep enrol flags equivalent to istio's options. Excluded interfaces have no flag of
+/// their own: they go in a policy file written to `dir`.
+pub(super) fn sidestep_flags(
+    c: &IstioCapture,
+    capture_ipv6: bool,
+    dir: &Path,
+) -> Result<Vec<String>> {
     let mut f: Vec<String> = Vec::new();
+    if !c.exclude_interfaces.is_empty() {
+        let path = dir.join("parity-policy.json");
+        let nics: Vec<&str> = c.exclude_interfaces.split(',').map(str::trim).collect();
+        std::fs::write(
+            &path,
+            serde_json::json!({ "excludeInterfaces": nics }).to_string(),
+        )?;
+        f.push("--policy".into());
+        f.push(path.display().to_string());
+    }
     let mut opt = |name: &str, v: &str| {
         f.push(name.to_owned());
         f.push(v.to_owned());
@@ -151,7 +213,7 @@ pub(super) fn sidestep_flags(c: &IstioCapture, capture_ipv6: bool) -> Vec<String
     if !capture_ipv6 {
         f.push("--no-ipv6".into());
     }
-    f
+    Ok(f)
 }
 
 /// One expanded scenario.
@@ -170,7 +232,7 @@ pub(super) fn scenarios(topo: &Topology) -> Result<Vec<Scenario>> {
             out.push(Scenario {
                 set: r.set,
                 from: r.from,
-                dst: topo.dest(r.to, *fam, r.port)?,
+                dst: topo.dest(r.from, r.to, *fam, r.port)?,
                 fam: *fam,
                 intended: r.intended,
             });
@@ -205,6 +267,9 @@ fn run_one(
     if matches!(sc.from, Src::AppBound | Src::ProxyBound) {
         argv.extend(["--bind", bind]);
     }
+    if sc.from == Src::AppDev {
+        argv.extend(["--device", "net1"]);
+    }
     let timeout = Duration::from_secs(10);
     let (uid, gid) = match sc.from {
         Src::Proxy | Src::ProxyBound => (PROXY_UID, PROXY_UID),
@@ -214,6 +279,7 @@ fn run_one(
     let spec = Spawn::new(&argv).user(uid, gid);
     let out = match sc.from {
         Src::OtherPod => topo.p.run_with(env, spec, timeout)?,
+        Src::Net1Pod => topo.x.q.run_with(env, spec, timeout)?,
         Src::Node => env.run(spec, timeout)?,
         _ => topo.s.run_with(env, spec, timeout)?,
     };
@@ -242,6 +308,10 @@ pub(super) fn collect(
     let mut out = Vec::with_capacity(all.len());
     for set in sets() {
         configure(set, listeners)?;
+        // Added after the enrolment (and after the oracle's rules, which do not care).
+        if set == Set::LateAddrs {
+            topo.x.add_late(&topo.s)?;
+        }
         for sc in all.iter().filter(|s| s.set == set) {
             let o = run_one(env, topo, listeners, sc).with_context(|| {
                 format!(
@@ -252,6 +322,9 @@ pub(super) fn collect(
                 )
             })?;
             out.push(o);
+        }
+        if set == Set::LateAddrs {
+            topo.x.remove_late(&topo.s)?;
         }
     }
     // `out` follows sets() order; put it back in table order.

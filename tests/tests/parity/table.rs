@@ -21,6 +21,10 @@ pub(super) enum Src {
     OtherPod,
     /// A process on the node (root netns).
     Node,
+    /// The app of pod Q, on the second network (S's net1).
+    Net1Pod,
+    /// The app in S, from a socket bound to net1 with SO_BINDTODEVICE first.
+    AppDev,
 }
 
 impl Src {
@@ -33,6 +37,8 @@ impl Src {
             Src::ProxyBound => "proxy@.6",
             Src::OtherPod => "pod P",
             Src::Node => "node",
+            Src::Net1Pod => "pod Q",
+            Src::AppDev => "app%net1",
         }
     }
 }
@@ -50,6 +56,18 @@ pub(super) enum Dst {
     Peer,
     /// The node's bridge address.
     Node,
+    /// S's address on its second interface, net1.
+    SelfNet1,
+    /// The IPv6 link-local address of S's eth0, with the client's scope (IPv6 only).
+    SelfLl,
+    /// The IPv6 link-local address of S's net1 (IPv6 only).
+    SelfNet1Ll,
+    /// A secondary address added to S's eth0 after enrolment (set `LateAddrs` only).
+    SelfLate,
+    /// Pod Q, on the second network: routed out of S's net1.
+    Net1Peer,
+    /// The IPv6 link-local address of P's eth0, scoped to S's eth0 (IPv6 only).
+    PeerLl,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +109,18 @@ pub(super) enum Set {
     Dns,
     /// sidecar.istio.io/interceptionMode: TPROXY.
     Tproxy,
+    /// traffic.sidecar.istio.io/excludeInterfaces: "net1".
+    ExcludeIfaces,
+    /// excludeInterfaces "net1" in TPROXY mode (its RETURNs go in mangle too).
+    ExcludeIfacesTproxy,
+    /// No annotations; a secondary address of each family is added to S's eth0 after the
+    /// enrolment (and removed after the set).
+    LateAddrs,
+    /// No annotations; sidestep enrolled through sidestep-cni twice, ADD for eth0 and ADD for
+    /// net1 with the same container ID (Multus), against the oracle's one ruleset.
+    TwoAttachments,
+    /// As TwoAttachments, after sidestep-cni's DEL of the net1 attachment.
+    Net1Deleted,
 }
 
 /// A deliberate difference: sidestep's outcome is asserted to be exactly this, derived from the
@@ -114,6 +144,16 @@ pub(super) enum Intended {
     /// With includeInboundPorts "" sidestep drops the hairpin too (policy unit test
     /// `empty_includes_turn_capture_off`); istio keeps the hairpin rule.
     HairpinOff,
+    /// A connect to a link-local address is captured by both, but under Istio its SYN is lost:
+    /// the scope binds the socket to eth0 before nat OUTPUT REDIRECTs it to ::1, which eth0
+    /// cannot reach. connect6 rewrites before the scope binds anything, so the redirect
+    /// reaches the proxy (15006 for the proxy's hairpin, 15001 otherwise); the scope id is not
+    /// visible to a sock_addr program, so SO_ORIGINAL_DST and getpeername carry none.
+    LinkLocalRedirect,
+    /// An IPv6 connect from a socket bound to a captured interface (SO_BINDTODEVICE) is
+    /// captured by both and reaches nobody: the proxy's loopback is not on that interface.
+    /// connect6's rewrite to ::1 fails at once (ENETUNREACH); REDIRECT's SYN is lost (ETIMEDOUT).
+    BoundDeviceV6,
 }
 
 impl Intended {
@@ -125,6 +165,12 @@ impl Intended {
             Intended::V6Inbound => "IPv6 inbound captured (istio: no ip6tables rules)",
             Intended::ExcludeWins => "excluded inbound port never captured, even if listed",
             Intended::HairpinOff => "no hairpin when inbound capture is off",
+            Intended::LinkLocalRedirect => {
+                "link-local dst redirected (istio: the SYN REDIRECTed to ::1 on an eth0-bound socket is lost); no scope id"
+            }
+            Intended::BoundDeviceV6 => {
+                "SO_BINDTODEVICE to a captured nic: fails at once, not by timeout"
+            }
         }
     }
 }
@@ -165,10 +211,10 @@ const ALL3: &[Fam] = &[V4, V6, Mapped];
 /// The scenario table: every row runs once per listed family, against both implementations.
 #[rustfmt::skip]
 pub(super) const TABLE: &[Row] = {
-    use Src::{App, AppBound, OtherPod, Proxy, ProxyBound, ProxyGid};
+    use Src::{App, AppBound, AppDev, Net1Pod, OtherPod, Proxy, ProxyBound, ProxyGid};
     use Intended::*;
     use Set::*;
-    use Dst::{Lo1, Lo2, Peer, SelfIp};
+    use Dst::{Lo1, Lo2, Net1Peer, Peer, PeerLl, SelfIp, SelfLate, SelfLl, SelfNet1, SelfNet1Ll};
     &[
         // Outbound from the app: captured, the default excluded port, the node, port 53 without DNS.
         row(Defaults, App, Peer, 80, ALL3),
@@ -281,6 +327,67 @@ pub(super) const TABLE: &[Row] = {
         row(Dns, App, SelfIp, 8080, V4_ONLY),
         row(Dns, App, Peer, 80, V4_ONLY),
         mark(row(Dns, OtherPod, SelfIp, 53, V4_ONLY), SkAssign),
+
+        // Interfaces and addresses: Istio's `-A PREROUTING -p tcp -j ISTIO_INBOUND` has no `-i`
+        // and no `-d`. S's second interface net1, on a second network, with its client Q:
+        mark(row(Defaults, Net1Pod, SelfNet1, 8080, BOTH), SkAssign),
+        row(Defaults, Net1Pod, SelfNet1, 15020, V4_ONLY),
+        mark(row(Defaults, Src::Node, SelfNet1, 8080, V4_ONLY), SkAssign),
+        mark(row(Defaults, Net1Pod, SelfNet1Ll, 8080, V6_ONLY), SkAssign),
+        row(Defaults, App, Net1Peer, 80, ALL3),
+        row(Defaults, AppDev, Net1Peer, 80, V4_ONLY),
+        mark(row(Defaults, AppDev, Net1Peer, 80, V6_ONLY), BoundDeviceV6),
+        row(Defaults, Proxy, SelfNet1, 8080, BOTH),
+        row(Defaults, App, SelfNet1, 8080, V4_ONLY),
+        // ... and eth0's IPv6 link-local address.
+        mark(row(Defaults, OtherPod, SelfLl, 8080, V6_ONLY), SkAssign),
+        mark(row(Defaults, Proxy, SelfLl, 8080, V6_ONLY), LinkLocalRedirect),
+        row(Defaults, App, SelfLl, 8080, V6_ONLY),
+        mark(row(Defaults, App, PeerLl, 80, V6_ONLY), LinkLocalRedirect),
+
+        // excludeInterfaces net1: `-i net1 -j RETURN` in PREROUTING, `-o net1 -j RETURN` in
+        // OUTPUT. Inbound on net1 and outbound routed (or bound) out of it are not captured;
+        // eth0 is, and the pod calling its own net1 address leaves through lo.
+        row(ExcludeIfaces, Net1Pod, SelfNet1, 8080, BOTH),
+        row(ExcludeIfaces, Net1Pod, SelfNet1Ll, 8080, V6_ONLY),
+        row(ExcludeIfaces, Src::Node, SelfNet1, 8080, V4_ONLY),
+        mark(row(ExcludeIfaces, OtherPod, SelfIp, 8080, BOTH), SkAssign),
+        mark(row(ExcludeIfaces, OtherPod, SelfLl, 8080, V6_ONLY), SkAssign),
+        row(ExcludeIfaces, App, Net1Peer, 80, ALL3),
+        row(ExcludeIfaces, AppDev, Net1Peer, 80, BOTH),
+        row(ExcludeIfaces, App, Peer, 80, BOTH),
+        row(ExcludeIfaces, App, Dst::Node, NODE_PORT, V4_ONLY),
+        row(ExcludeIfaces, Proxy, SelfNet1, 8080, BOTH),
+        row(ExcludeIfaces, App, SelfNet1, 8080, V4_ONLY),
+        row(ExcludeIfacesTproxy, Net1Pod, SelfNet1, 8080, BOTH),
+        row(ExcludeIfacesTproxy, OtherPod, SelfIp, 8080, BOTH),
+        row(ExcludeIfacesTproxy, App, Net1Peer, 80, V4_ONLY),
+        row(ExcludeIfacesTproxy, App, Peer, 80, V4_ONLY),
+        // TPROXY on the second interface.
+        row(Tproxy, Net1Pod, SelfNet1, 8080, BOTH),
+
+        // An address added to eth0 after enrolment (DHCP, SLAAC, another plugin).
+        mark(row(LateAddrs, OtherPod, SelfLate, 8080, BOTH), SkAssign),
+        mark(row(LateAddrs, Src::Node, SelfLate, 8080, V4_ONLY), SkAssign),
+        row(LateAddrs, Proxy, SelfLate, 8080, BOTH),
+        row(LateAddrs, App, SelfLate, 8080, BOTH),
+        // ... and net1 captured again once an enrolment no longer excludes it.
+        mark(row(LateAddrs, Net1Pod, SelfNet1, 8080, V4_ONLY), SkAssign),
+        row(LateAddrs, App, Net1Peer, 80, V4_ONLY),
+
+        // Two CNI attachments of one netns, then the DEL of one: eth0 stays captured.
+        mark(row(TwoAttachments, OtherPod, SelfIp, 8080, BOTH), SkAssign),
+        mark(row(TwoAttachments, OtherPod, SelfLl, 8080, V6_ONLY), SkAssign),
+        mark(row(TwoAttachments, Net1Pod, SelfNet1, 8080, BOTH), SkAssign),
+        mark(row(TwoAttachments, Net1Pod, SelfNet1Ll, 8080, V6_ONLY), SkAssign),
+        row(TwoAttachments, Net1Pod, SelfNet1, 15020, V4_ONLY),
+        row(TwoAttachments, Proxy, SelfNet1, 8080, BOTH),
+        row(TwoAttachments, App, Net1Peer, 80, V4_ONLY),
+        row(TwoAttachments, App, Peer, 80, V4_ONLY),
+        mark(row(Net1Deleted, OtherPod, SelfIp, 8080, BOTH), SkAssign),
+        mark(row(Net1Deleted, OtherPod, SelfLl, 8080, V6_ONLY), SkAssign),
+        row(Net1Deleted, Proxy, SelfIp, 8080, BOTH),
+        row(Net1Deleted, App, Peer, 80, V4_ONLY),
     ]
 };
 

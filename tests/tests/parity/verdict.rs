@@ -1,10 +1,12 @@
 //! Judging one scenario: sidestep's outcome against the oracle's, directly, under rule G (its
 //! documented SO_ORIGINAL_DST answer), or against the exact outcome an `Intended` mark promises.
 
+use std::net::SocketAddr;
+
 use sidestep_tests::parity::{Names, Outcome};
 
 use crate::run::Scenario;
-use crate::table::{Fam, Intended};
+use crate::table::{Fam, Intended, Src};
 
 /// Whether the accepting listener is in the subject pod (where sidestep answers getsockopt).
 fn in_subject(o: &Outcome) -> bool {
@@ -54,6 +56,23 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
         Intended::V6Outbound => redirected("15001", "[::1]:15001"),
         Intended::V6Hairpin => redirected("15006", "[::1]:15006"),
         Intended::V6Inbound => redirected("15006", &dst),
+        Intended::LinkLocalRedirect => {
+            let mut unscoped = sc.dst;
+            if let SocketAddr::V6(a) = &mut unscoped {
+                a.set_scope_id(0);
+            }
+            let (port, local) = if sc.from == Src::Proxy {
+                ("15006", "[::1]:15006")
+            } else {
+                ("15001", "[::1]:15001")
+            };
+            Outcome {
+                orig_v6: names.addr(unscoped),
+                app_peer: names.addr(unscoped),
+                ..redirected(port, local)
+            }
+        }
+        Intended::BoundDeviceV6 => Outcome::failed(libc::ENETUNREACH.into()),
         // Not redirected: netfilter's ENOENT, except SOL_IPV6 on an IPv4 socket, which the kernel
         // refuses itself.
         Intended::ExcludeWins | Intended::HairpinOff => Outcome {

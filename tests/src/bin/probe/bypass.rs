@@ -389,14 +389,15 @@ pub(super) fn connect_many(
                     }
                     let mut dst = addr;
                     dst.set_port(addr.port().wrapping_add((i % ports.max(1)) as u16));
-                    let result = open_connected(dst, None, Duration::from_secs(5)).and_then(|s| {
-                        set_linger0(s.as_raw_fd())?;
-                        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-                        let mut line = String::new();
-                        let mut r = &s;
-                        r.read_to_string(&mut line)?;
-                        Ok(line)
-                    });
+                    let result =
+                        open_connected(dst, None, None, Duration::from_secs(5)).and_then(|s| {
+                            set_linger0(s.as_raw_fd())?;
+                            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                            let mut line = String::new();
+                            let mut r = &s;
+                            r.read_to_string(&mut line)?;
+                            Ok(line)
+                        });
                     match result {
                         Ok(line) if line.contains(&format!("\"addr\":\"{dst}\"")) => {
                             ok.fetch_add(1, Relaxed);

@@ -13,9 +13,10 @@ pub(super) fn connect(
     addr: SocketAddr,
     http: bool,
     source: Option<SocketAddr>,
+    device: Option<&str>,
     timeout: Duration,
 ) -> i32 {
-    let sock = match open_connected(addr, source, timeout) {
+    let sock = match open_connected(addr, source, device, timeout) {
         Ok(s) => s,
         Err(e) => {
             println!(

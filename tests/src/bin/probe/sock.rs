@@ -37,11 +37,15 @@ pub(super) fn original_dst(sock: &TcpStream, level: libc::c_int) -> Result<Socke
         libc::AF_INET6 => {
             let mut a = [0u8; 16];
             a.copy_from_slice(&buf[8..24]);
+            let word =
+                |at: usize| u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+            // The scope id matters for a link-local destination: a proxy cannot connect to one
+            // without it.
             Ok(SocketAddr::V6(SocketAddrV6::new(
                 Ipv6Addr::from(a),
                 port,
-                0,
-                0,
+                word(4),
+                word(24),
             )))
         }
         _ => Err(-family),
@@ -138,14 +142,28 @@ pub(super) fn bind(fd: RawFd, addr: SocketAddr) -> std::io::Result<()> {
     check(unsafe { libc::bind(fd, (&raw const ss).cast(), len) }).map(drop)
 }
 
-/// Connects a socket (bound to `source` first, if given) to `addr` within `timeout`.
+/// Connects a socket (bound to `device` with SO_BINDTODEVICE and to `source` first, if given)
+/// to `addr` within `timeout`.
 pub(super) fn open_connected(
     addr: SocketAddr,
     source: Option<SocketAddr>,
+    device: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<TcpStream> {
     let sock = tcp_socket(addr, libc::SOCK_NONBLOCK)?;
     let fd = sock.as_raw_fd();
+    if let Some(dev) = device {
+        // SAFETY: `dev` is valid for reads of its length.
+        check(unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_BINDTODEVICE,
+                dev.as_ptr().cast(),
+                dev.len() as libc::socklen_t,
+            )
+        })?;
+    }
     if let Some(source) = source {
         bind(fd, source)?;
     }
