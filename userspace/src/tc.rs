@@ -77,6 +77,12 @@ pub fn attach_inbound(
             InboundHook::SkLookup => None,
         };
         let tcx = has_tcx();
+        for name in &excluded {
+            let pin = dir_in.join(name);
+            if pin.exists() {
+                detach_links_under_file(&pin);
+            }
+        }
         let mut attached = Vec::new();
         for name in names.into_iter().filter(|n| !excluded.contains(n)) {
             let pin = dir_in.join(&name);

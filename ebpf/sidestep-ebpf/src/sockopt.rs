@@ -109,7 +109,13 @@ unsafe fn handle(ctx: &SockoptContext) {
             write_word(optval.add(12), orig.addr[1]);
             write_word(optval.add(16), orig.addr[2]);
             write_word(optval.add(20), orig.addr[3]);
-            write_word(optval.add(24), 0);
+            let first = orig.addr[0].to_ne_bytes();
+            let scope = if first[0] == 0xfe && first[1] & 0xc0 == 0x80 {
+                load(&raw const (*sk).bound_dev_if)
+            } else {
+                0
+            };
+            write_word(optval.add(24), scope);
         }
         // optlen and retval one at a time, or LLVM fuses them into a rejected 8-byte store.
         store(&raw mut (*so).optlen, len as i32);

@@ -15,7 +15,7 @@ use sidestep_tests::{
 };
 
 use crate::ifaces::Ifaces;
-use crate::table::{Dst, Fam, Intended, Set, Src, TABLE, sets};
+use crate::table::{Dst, Fam, Gap, Intended, Set, Src, TABLE, sets};
 use crate::{APP_UID, CONNECT_TIMEOUT_MS, OTHER_UID, PROXY_UID, probe};
 
 pub(super) struct Topology {
@@ -223,6 +223,7 @@ pub(super) struct Scenario {
     pub(super) dst: SocketAddr,
     pub(super) fam: Fam,
     pub(super) intended: Option<Intended>,
+    pub(super) gap: Option<Gap>,
 }
 
 pub(super) fn scenarios(topo: &Topology) -> Result<Vec<Scenario>> {
@@ -235,6 +236,7 @@ pub(super) fn scenarios(topo: &Topology) -> Result<Vec<Scenario>> {
                 dst: topo.dest(r.from, r.to, *fam, r.port)?,
                 fam: *fam,
                 intended: r.intended,
+                gap: r.gap,
             });
         }
     }
