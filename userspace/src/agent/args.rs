@@ -52,7 +52,8 @@ pub struct AgentArgs {
     pub service_account_dir: Option<String>,
     #[arg(long, env = "SIDESTEP_PIN_ROOT")]
     pub pin_root: Option<String>,
-    /// The cgroup2 directory to attach at [default: the cgroup2 root, from mountinfo].
+    /// The cgroup2 directory to attach at [default: the node's cgroup2 root, from mountinfo;
+    /// refused in a private cgroup namespace, where that mount is the agent's own cgroup].
     #[arg(long, env = "SIDESTEP_CGROUP")]
     pub cgroup: Option<String>,
     /// The plugin's state directory [default: /var/run/sidestep/cni].

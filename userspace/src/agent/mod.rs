@@ -124,7 +124,8 @@ impl Agent {
     pub fn start(settings: Settings) -> anyhow::Result<Self> {
         let cgroup = match &settings.cgroup {
             Some(c) => c.clone(),
-            None => mounts::cgroup2_root().context("setting cgroup: finding the cgroup2 root")?,
+            None => mounts::node_cgroup2_root()
+                .context("setting cgroup: unset, and the node's cgroup2 root is not in sight")?,
         };
         let object = settings
             .bpf_object
