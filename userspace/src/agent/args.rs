@@ -59,7 +59,8 @@ pub struct AgentArgs {
     /// The plugin's state directory [default: /var/run/sidestep/cni].
     #[arg(long, env = "SIDESTEP_STATE_DIR")]
     pub state_dir: Option<String>,
-    /// Address for /healthz, /readyz and /metrics [default: 0.0.0.0:9964].
+    /// Where /healthz, /readyz and /metrics listen: `:PORT` for every address of both families,
+    /// or one address, `127.0.0.1:9964` or `[::1]:9964` [default: :9964].
     #[arg(long, env = "SIDESTEP_LISTEN")]
     pub listen: Option<String>,
     /// How often to reconcile pods, e.g. 30s or 2m [default: 30s].
