@@ -63,6 +63,10 @@ pub struct AgentArgs {
     /// or one address, `127.0.0.1:9964` or `[::1]:9964` [default: :9964].
     #[arg(long, env = "SIDESTEP_LISTEN")]
     pub listen: Option<String>,
+    /// How old the pod map's figures in /metrics may be: it is walked at most once per this,
+    /// however many scrapes come [default: 5s].
+    #[arg(long, env = "SIDESTEP_METRICS_MAX_AGE")]
+    pub metrics_max_age: Option<String>,
     /// How often to reconcile pods, e.g. 30s or 2m [default: 30s].
     #[arg(long, env = "SIDESTEP_RECONCILE_INTERVAL")]
     pub reconcile_interval: Option<String>,
@@ -127,6 +131,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "cgroup" => a.cgroup.as_ref(),
         "state-dir" => a.state_dir.as_ref(),
         "listen" => a.listen.as_ref(),
+        "metrics-max-age" => a.metrics_max_age.as_ref(),
         "reconcile-interval" => a.reconcile_interval.as_ref(),
         "repair" => a.repair.as_ref(),
         "repair-policy" => a.repair_policy.as_ref(),
@@ -148,7 +153,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 30] = [
+pub(super) const KEYS: [&str; 31] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -165,6 +170,7 @@ pub(super) const KEYS: [&str; 30] = [
     "cgroup",
     "state-dir",
     "listen",
+    "metrics-max-age",
     "reconcile-interval",
     "repair",
     "repair-policy",

@@ -72,6 +72,9 @@ pub struct Settings {
     pub cgroup: Option<PathBuf>,
     pub state_dir: PathBuf,
     pub listen: Listen,
+    /// How old the data-path figures of /metrics may be: the pod map is walked at most once
+    /// per this, whatever the number of scrapes.
+    pub metrics_max_age: Duration,
     pub reconcile_interval: Duration,
     pub repair: bool,
     pub repair_policy: Policy,
@@ -378,6 +381,11 @@ impl Settings {
                 .transpose()?,
             state_dir: r.dir("state-dir", "/var/run/sidestep/cni", false)?,
             listen: r.parse("listen", || Ok(Listen::DEFAULT), Listen::parse)?,
+            metrics_max_age: r.parse(
+                "metrics-max-age",
+                || Ok(Duration::from_secs(5)),
+                parse_duration,
+            )?,
             reconcile_interval: r.parse(
                 "reconcile-interval",
                 || Ok(Duration::from_secs(30)),

@@ -38,6 +38,7 @@ fn defaults_resolve() {
     assert!(s.scan_proc);
     assert_eq!(s.log_level, "info");
     assert_eq!(s.listen, Listen::AllAddresses(9964));
+    assert_eq!(s.metrics_max_age, Duration::from_secs(5));
 }
 
 #[test]
@@ -120,6 +121,10 @@ fn bad_settings_are_named() {
         ),
         (with(&|a| a.listen = s("nowhere")), "setting listen"),
         (with(&|a| a.listen = s("127.0.0.1")), "setting listen"),
+        (
+            with(&|a| a.metrics_max_age = s("fast")),
+            "setting metrics-max-age",
+        ),
         (
             with(&|a| a.reconcile_interval = s("5 parsecs")),
             "setting reconcile-interval",
