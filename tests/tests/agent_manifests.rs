@@ -173,17 +173,22 @@ fn deploy_manifests_are_valid() -> Result<()> {
         ensure!(host_paths.contains(&p), "no hostPath {p}: {host_paths:?}");
     }
 
-    // The ConfigMap's keys are the agent's settings, and its listen port is the probes'.
+    // The ConfigMap's keys are the agent's settings, and the probes reach its listen: its port,
+    // and every address (the probes GET the pod IP, IPv4 or IPv6) unless they name a host.
     let cm = &load(&bin, &dir.join("configmap.yaml"))?[0];
     let data = cm["data"].as_object().context("data")?;
-    let port = data["listen"]
-        .as_str()
-        .and_then(|l| l.rsplit(':').next())
-        .unwrap_or("");
-    ensure!(
-        c["readinessProbe"]["httpGet"]["port"] == port.parse::<u64>()?,
-        "probe port"
-    );
+    let listen = data["listen"].as_str().context("listen")?;
+    let (addr, port) = listen.rsplit_once(':').context("listen has no port")?;
+    for probe in ["readinessProbe", "livenessProbe"] {
+        let get = &c[probe]["httpGet"];
+        ensure!(get["port"] == port.parse::<u64>()?, "{probe} port");
+        let host = get["host"].as_str().unwrap_or_default();
+        ensure!(
+            addr.is_empty() || addr.trim_matches(['[', ']']) == host,
+            "{probe} GETs the pod IP, which listen {listen} does not cover; use :{port}, or \
+             give the probe that host"
+        );
+    }
     let help =
         run(Command::new(sidestep_tests::sidestep::sidestep_bin()).args(["agent", "--help"]))?;
     let help = text(&help);

@@ -1,7 +1,9 @@
 //! The plugin's invocations in the agent's /metrics: real ADDs and DELs through the CNI chain the
 //! agent installed are counted by command and result, with latency histograms whose buckets,
 //! count and sum agree with what the test itself timed; invocations made while the agent is
-//! down are counted once it is back; uninstall leaves no timing file. Needs root.
+//! down are counted once it is back; uninstall leaves no timing file. The data-path part is
+//! walked at most once per `metrics-max-age`, however many scrapes come and however
+//! concurrently, and refreshed after it. Needs root.
 
 mod agent_support;
 
@@ -12,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_support::{Agent, Dirs, base_args, free_port, meshed, samples, wait_until};
+use agent_support::{Agent, Dirs, base_args, free_port, http_get, meshed, samples, wait_until};
 use anyhow::{Context as _, Result, ensure};
 use serde_json::json;
 use sidestep_tests::{TestEnv, skip_unless_root};
@@ -199,5 +201,124 @@ fn agent_counts_and_times_the_plugins_adds_and_dels() -> Result<()> {
         !d.state.join("timings").exists(),
         "uninstall left the timing file"
     );
+    Ok(())
+}
+
+const WALKS: &str = "sidestep_metrics_datapath_walks_total";
+
+/// `n` scrapes at once, each parsed: every one's samples.
+fn concurrent_scrapes(agent: &Agent, n: usize) -> Result<Vec<BTreeMap<String, f64>>> {
+    let addr = agent.addr;
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..n)
+            .map(|_| s.spawn(move || http_get(addr, "/metrics")))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                let (code, body) = t.join().map_err(|_| anyhow::anyhow!("scrape panicked"))??;
+                ensure!(code == 200, "/metrics answered {code}");
+                Ok(body
+                    .lines()
+                    .filter(|l| !l.starts_with('#'))
+                    .filter_map(|l| {
+                        let (k, v) = l.rsplit_once(' ')?;
+                        Some((k.to_owned(), v.parse().ok()?))
+                    })
+                    .collect())
+            })
+            .collect()
+    })
+}
+
+fn value(s: &BTreeMap<String, f64>, name: &str) -> Result<f64> {
+    s.get(name)
+        .copied()
+        .with_context(|| format!("no {name} in /metrics"))
+}
+
+fn pod_series(s: &BTreeMap<String, f64>, cookie: u64) -> bool {
+    s.keys().any(|k| {
+        k.starts_with("sidestep_pod_redirected_outbound_total{")
+            && k.contains(&format!("netns_cookie=\"{cookie}\""))
+    })
+}
+
+#[test]
+fn agent_walks_the_data_path_once_per_max_age() -> Result<()> {
+    if skip_unless_root("agent_walks_the_data_path_once_per_max_age") {
+        return Ok(());
+    }
+    const MAX_AGE: Duration = Duration::from_secs(4);
+    const SCRAPES: usize = 24;
+    let env = TestEnv::new("agent-metrics-cache")?;
+    let d = Dirs::new(&env)?;
+    d.write_primary("10-test.conflist")?;
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend([
+        "--metrics-max-age".into(),
+        format!("{}s", MAX_AGE.as_secs()),
+    ]);
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let node = d.node(&env, "10-test.conflist")?;
+    let first = node.add_pod_with("c0", meshed())?;
+
+    // The first scrape walks, between these two instants.
+    let walk_after = Instant::now();
+    let s = samples(&agent)?;
+    let fresh_at = Instant::now();
+    let walks = value(&s, WALKS)?;
+    ensure!(
+        walks >= 1.0 && value(&s, "sidestep_pods_enrolled")? == 1.0,
+        "{s:?}"
+    );
+    ensure!(pod_series(&s, first.netns_cookie()?));
+
+    // A second pod enrols; a burst of scrapes, concurrent and one after another, within the
+    // max age: no walk, so none of them sees it yet.
+    let second = node.add_pod_with("c1", meshed())?;
+    let mut burst = concurrent_scrapes(&agent, SCRAPES)?;
+    for _ in 0..SCRAPES {
+        burst.push(samples(&agent)?);
+    }
+    let took = walk_after.elapsed();
+    ensure!(
+        took < MAX_AGE,
+        "the burst took {took:?}, longer than the max age {MAX_AGE:?}: too slow to judge"
+    );
+    for s in &burst {
+        ensure!(
+            value(s, WALKS)? == walks && value(s, "sidestep_pods_enrolled")? == 1.0,
+            "a scrape within the max age walked: walks {} (was {walks}), enrolled {}",
+            value(s, WALKS)?,
+            value(s, "sidestep_pods_enrolled")?
+        );
+    }
+    eprintln!(
+        "{} scrapes in {took:?}: {walks} walk(s), the second pod not yet seen",
+        burst.len()
+    );
+
+    // After the max age, concurrent scrapes share one walk, and all see the second pod.
+    std::thread::sleep(MAX_AGE.saturating_sub(fresh_at.elapsed()) + Duration::from_millis(200));
+    let after = concurrent_scrapes(&agent, SCRAPES)?;
+    for s in &after {
+        ensure!(
+            value(s, WALKS)? == walks + 1.0 && value(s, "sidestep_pods_enrolled")? == 2.0,
+            "after the max age: walks {} (want {}), enrolled {}",
+            value(s, WALKS)?,
+            walks + 1.0,
+            value(s, "sidestep_pods_enrolled")?
+        );
+        ensure!(pod_series(s, second.netns_cookie()?));
+    }
+    eprintln!("{SCRAPES} concurrent scrapes after the max age: one walk, both pods seen");
+
+    node.remove_pod(&second)?;
+    node.remove_pod(&first)?;
+    agent.child.terminate(Duration::from_secs(10))?;
+    agent_support::uninstall(&env, &d)?;
     Ok(())
 }

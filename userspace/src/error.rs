@@ -2,6 +2,12 @@
 
 use std::{io, path::PathBuf};
 
+/// How to give the agent the node's cgroup2 root when it cannot find it itself.
+const NODE_CGROUP_FIX: &str = "Set cgroup (--cgroup, SIDESTEP_CGROUP, or the ConfigMap key) to \
+    the host's cgroup2 root as mounted into the container (deploy/configmap.yaml: \
+    /host/sys/fs/cgroup, or /host/sys/fs/cgroup/unified on hybrid hosts), or run the agent in the \
+    host's cgroup namespace (`--cgroupns=host` for docker and podman, `cgroupns: host` in compose)";
+
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error("cannot read /proc/self/mountinfo: {0}")]
@@ -14,6 +20,26 @@ pub enum MountError {
         "{path} is not a cgroup2 directory ({reason}); pass a directory under the cgroup2 mount"
     )]
     NotCgroup2 { path: PathBuf, reason: String },
+    #[error(
+        "the agent runs in a private cgroup namespace (/proc/self/ns/cgroup is cgroup:[{inode}], \
+         the node's is cgroup:[{init}]), so the cgroup2 mount it finds is its own container's \
+         cgroup, and programs attached there would capture no pod. {fix}",
+        init = crate::mounts::INIT_CGROUP_NS_INO,
+        fix = NODE_CGROUP_FIX
+    )]
+    PrivateCgroupNamespace { inode: u64 },
+    #[error(
+        "the cgroup2 mount at {mount_point} shows the subtree {root}, not the node's whole \
+         hierarchy (/), so programs attached there would capture only that subtree. {fix}",
+        fix = NODE_CGROUP_FIX
+    )]
+    Cgroup2NotRoot { mount_point: PathBuf, root: String },
+    #[error(
+        "cannot read /proc/self/ns/cgroup to tell whether the cgroup2 mount is the node's root: \
+         {0}. {fix}",
+        fix = NODE_CGROUP_FIX
+    )]
+    CgroupNamespace(#[source] io::Error),
     #[error("cannot mount bpffs: {0}; mount it yourself with `mount -t bpf bpffs /sys/fs/bpf`")]
     Bpffs(String),
     #[error("the pin root {0} is not on a bpffs mount; choose a path under /sys/fs/bpf")]

@@ -3,29 +3,40 @@
 
 use std::{
     fs,
+    os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
 
 use crate::error::MountError;
 
+/// The inode of the initial cgroup namespace: `PROC_CGROUP_INIT_INO` in
+/// include/linux/proc_ns.h, the same on every kernel since cgroup namespaces exist (4.6).
+pub const INIT_CGROUP_NS_INO: u64 = 0xEFFF_FFFB;
+
 /// One line of /proc/self/mountinfo, the fields we use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    pub id: u32,
+    pub parent: u32,
+    /// The directory of the filesystem this mount shows. For cgroup2, relative to the reader's
+    /// cgroup namespace: `/` is its root, `/..` lies above it.
+    pub root: String,
     pub mount_point: PathBuf,
     pub fs_type: String,
 }
 
-/// Parses mountinfo text. The mount point's octal escapes (`\040` for space) are decoded.
+/// Parses mountinfo text. The paths' octal escapes (`\040` for space) are decoded.
 pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
     text.lines()
         .filter_map(|line| {
             let fields: Vec<&str> = line.split(' ').collect();
             let sep = fields.iter().position(|f| *f == "-")?;
-            let mount_point = unescape(fields.get(4)?);
-            let fs_type = fields.get(sep + 1)?.to_string();
             Some(Mount {
-                mount_point: PathBuf::from(mount_point),
-                fs_type,
+                id: fields.first()?.parse().ok()?,
+                parent: fields.get(1)?.parse().ok()?,
+                root: unescape(fields.get(3)?),
+                mount_point: PathBuf::from(unescape(fields.get(4)?)),
+                fs_type: fields.get(sep + 1)?.to_string(),
             })
         })
         .collect()
@@ -63,6 +74,46 @@ pub fn cgroup2_root() -> Result<PathBuf, MountError> {
         .find(|m| m.fs_type == "cgroup2")
         .map(|m| m.mount_point)
         .ok_or(MountError::NoCgroup2)
+}
+
+/// The node's cgroup2 root, where the agent attaches when no cgroup is named.
+///
+/// The cgroup2 mount a process finds is the node's root only in the initial cgroup namespace,
+/// and only when it shows the hierarchy from `/`. In a container with a private cgroup
+/// namespace the runtime's cgroup2 mount is the container's own cgroup: links attach, the CNI
+/// configuration goes in, and no pod is captured, so this refuses instead of guessing.
+pub fn node_cgroup2_root() -> Result<PathBuf, MountError> {
+    // PID 1's namespace is no second opinion: without hostPID, PID 1 is the container's own
+    // init, in the same private namespace; the kernel's fixed inode is.
+    let ns = fs::metadata("/proc/self/ns/cgroup").map_err(MountError::CgroupNamespace)?;
+    node_cgroup2_root_in(&mounts()?, ns.ino())
+}
+
+/// [`node_cgroup2_root`] on mountinfo already read, for a process in cgroup namespace `ns_ino`.
+pub fn node_cgroup2_root_in(mounts: &[Mount], ns_ino: u64) -> Result<PathBuf, MountError> {
+    if ns_ino != INIT_CGROUP_NS_INO {
+        return Err(MountError::PrivateCgroupNamespace { inode: ns_ino });
+    }
+    // A mount covered by another at the same place is not what its path opens.
+    let covered = |m: &Mount| {
+        mounts
+            .iter()
+            .any(|n| n.parent == m.id && n.mount_point == m.mount_point)
+    };
+    let visible: Vec<&Mount> = mounts
+        .iter()
+        .filter(|m| m.fs_type == "cgroup2" && !covered(m))
+        .collect();
+    if let Some(m) = visible.iter().find(|m| m.root == "/") {
+        return Ok(m.mount_point.clone());
+    }
+    match visible.first() {
+        Some(m) => Err(MountError::Cgroup2NotRoot {
+            mount_point: m.mount_point.clone(),
+            root: m.root.clone(),
+        }),
+        None => Err(MountError::NoCgroup2),
+    }
 }
 
 /// Checks that `dir` is a directory on a cgroup2 filesystem.
@@ -140,6 +191,49 @@ mod tests {
                 .iter()
                 .any(|m| m.mount_point == Path::new("/mnt/with space"))
         );
+    }
+
+    #[test]
+    fn node_root_needs_the_initial_namespace_and_the_whole_hierarchy() {
+        let host = parse_mountinfo(HYBRID);
+        assert_eq!(
+            node_cgroup2_root_in(&host, INIT_CGROUP_NS_INO).unwrap(),
+            Path::new("/sys/fs/cgroup/unified")
+        );
+        // A container in a private namespace: its own cgroup2 mount shows `/`, yet refused.
+        let e = node_cgroup2_root_in(&host, 4026532512).unwrap_err();
+        assert!(matches!(
+            e,
+            MountError::PrivateCgroupNamespace { inode: 4026532512 }
+        ));
+        let text = e.to_string();
+        assert!(
+            text.contains("private cgroup namespace") && text.contains("--cgroup"),
+            "{text}"
+        );
+        // A subtree bind-mounted over the root's mount point hides it: refused, naming it.
+        let sub_text =
+            format!("{HYBRID}\n50 32 0:27 /kubepods/pod1 /sys/fs/cgroup/unified rw - cgroup2 x rw");
+        let sub = parse_mountinfo(&sub_text);
+        match node_cgroup2_root_in(&sub, INIT_CGROUP_NS_INO) {
+            Err(MountError::Cgroup2NotRoot { mount_point, root }) => {
+                assert_eq!(mount_point, Path::new("/sys/fs/cgroup/unified"));
+                assert_eq!(root, "/kubepods/pod1");
+            }
+            other => panic!("{other:?}"),
+        }
+        // ... unless the whole hierarchy is mounted elsewhere too.
+        let both = parse_mountinfo(&format!(
+            "{sub_text}\n51 25 0:27 / /run/cg2 rw - cgroup2 none rw"
+        ));
+        assert_eq!(
+            node_cgroup2_root_in(&both, INIT_CGROUP_NS_INO).unwrap(),
+            Path::new("/run/cg2")
+        );
+        assert!(matches!(
+            node_cgroup2_root_in(&parse_mountinfo(""), INIT_CGROUP_NS_INO),
+            Err(MountError::NoCgroup2)
+        ));
     }
 
     #[test]

@@ -161,37 +161,49 @@ fn cgroup_path(id: u64) -> Option<PathBuf> {
     walk(&mounts::cgroup2_root().ok()?, id, 4)
 }
 
-pub fn collect(pin_root: &Path) -> Status {
-    let layout = PinLayout::new(pin_root);
-    let mut programs = Vec::new();
-    let mut attachments = Vec::new();
-    for name in CGROUP_PROGRAMS
+/// The installation's pinned programs, with their run statistics.
+pub fn programs(layout: &PinLayout) -> Vec<ProgramStatus> {
+    CGROUP_PROGRAMS
         .iter()
         .map(|s| s.name)
         .chain(POD_PROGRAMS)
         .chain(MAP_PROGRAMS)
-    {
-        if let Ok(info) = ProgramInfo::from_pin(layout.program(name)) {
-            programs.push(ProgramStatus {
+        .filter_map(|name| {
+            let info = ProgramInfo::from_pin(layout.program(name)).ok()?;
+            Some(ProgramStatus {
                 name: name.to_string(),
                 id: info.id(),
                 run_count: info.run_count(),
                 run_time_ns: info.run_time().as_nanos() as u64,
-            });
-        }
-    }
-    for spec in CGROUP_PROGRAMS {
-        if let Ok(link) = sys::obj_get(&layout.cgroup_link(spec.attach_point))
-            && let Ok(info) = sys::link_info(link.as_fd())
-        {
-            attachments.push(Attachment {
-                attach_point: spec.attach_point.to_string(),
-                link_id: info.id,
-                prog_id: info.prog_id,
-                cgroup: cgroup_path(info.cgroup_id),
-            });
-        }
-    }
+            })
+        })
+        .collect()
+}
+
+/// The pinned cgroup links that can be read back: (attach point, link).
+pub fn cgroup_links(layout: &PinLayout) -> Vec<(&'static str, sys::LinkInfo)> {
+    CGROUP_PROGRAMS
+        .iter()
+        .filter_map(|spec| {
+            let link = sys::obj_get(&layout.cgroup_link(spec.attach_point)).ok()?;
+            let info = sys::link_info(link.as_fd()).ok()?;
+            Some((spec.attach_point, info))
+        })
+        .collect()
+}
+
+pub fn collect(pin_root: &Path) -> Status {
+    let layout = PinLayout::new(pin_root);
+    let programs = programs(&layout);
+    let attachments = cgroup_links(&layout)
+        .into_iter()
+        .map(|(attach_point, info)| Attachment {
+            attach_point: attach_point.to_string(),
+            link_id: info.id,
+            prog_id: info.prog_id,
+            cgroup: cgroup_path(info.cgroup_id),
+        })
+        .collect();
     let (pods, pod_capacity) = match PolicyMaps::open(pin_root) {
         Ok(maps) => {
             let pods = maps

@@ -164,18 +164,7 @@ impl Agent {
 
     /// GET `path`: (status, body).
     pub fn get(&self, path: &str) -> Result<(u16, String)> {
-        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2))?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n")?;
-        let mut out = String::new();
-        s.read_to_string(&mut out)?;
-        let status = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .with_context(|| format!("bad HTTP response: {out}"))?;
-        let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-        Ok((status, body))
+        http_get(self.addr, path)
     }
 
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<String> {
@@ -226,6 +215,22 @@ impl Agent {
         }
         Ok(())
     }
+}
+
+/// GET `path` from `addr`: (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("bad HTTP response: {out}"))?;
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    Ok((status, body))
 }
 
 /// Polls `f` until it returns true.

@@ -52,15 +52,21 @@ pub struct AgentArgs {
     pub service_account_dir: Option<String>,
     #[arg(long, env = "SIDESTEP_PIN_ROOT")]
     pub pin_root: Option<String>,
-    /// The cgroup2 directory to attach at [default: the cgroup2 root, from mountinfo].
+    /// The cgroup2 directory to attach at [default: the node's cgroup2 root, from mountinfo;
+    /// refused in a private cgroup namespace, where that mount is the agent's own cgroup].
     #[arg(long, env = "SIDESTEP_CGROUP")]
     pub cgroup: Option<String>,
     /// The plugin's state directory [default: /var/run/sidestep/cni].
     #[arg(long, env = "SIDESTEP_STATE_DIR")]
     pub state_dir: Option<String>,
-    /// Address for /healthz, /readyz and /metrics [default: 0.0.0.0:9964].
+    /// Where /healthz, /readyz and /metrics listen: `:PORT` for every address of both families,
+    /// or one address, `127.0.0.1:9964` or `[::1]:9964` [default: :9964].
     #[arg(long, env = "SIDESTEP_LISTEN")]
     pub listen: Option<String>,
+    /// How old the pod map's figures in /metrics may be: it is walked at most once per this,
+    /// however many scrapes come [default: 5s].
+    #[arg(long, env = "SIDESTEP_METRICS_MAX_AGE")]
+    pub metrics_max_age: Option<String>,
     /// How often to reconcile pods, e.g. 30s or 2m [default: 30s].
     #[arg(long, env = "SIDESTEP_RECONCILE_INTERVAL")]
     pub reconcile_interval: Option<String>,
@@ -125,6 +131,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "cgroup" => a.cgroup.as_ref(),
         "state-dir" => a.state_dir.as_ref(),
         "listen" => a.listen.as_ref(),
+        "metrics-max-age" => a.metrics_max_age.as_ref(),
         "reconcile-interval" => a.reconcile_interval.as_ref(),
         "repair" => a.repair.as_ref(),
         "repair-policy" => a.repair_policy.as_ref(),
@@ -146,7 +153,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 30] = [
+pub(super) const KEYS: [&str; 31] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -163,6 +170,7 @@ pub(super) const KEYS: [&str; 30] = [
     "cgroup",
     "state-dir",
     "listen",
+    "metrics-max-age",
     "reconcile-interval",
     "repair",
     "repair-policy",

@@ -1,23 +1,99 @@
 //! `/healthz` (liveness: the agent answers), `/readyz` (programs attached and CNI config in
 //! place) and `/metrics`, on hyper 1.
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc};
+use std::{
+    convert::Infallible,
+    fmt, io,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::Arc,
+};
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode, body::Incoming, service::service_fn};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 
 use super::Agent;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     #[error("setting listen: cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { addr: Listen, source: io::Error },
+}
+
+/// The `listen` setting: where the endpoints are served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listen {
+    /// `:PORT`: every address of both families, as Go's `:PORT` (IPv4 alone on a host without
+    /// IPv6). A hostNetwork pod's probes and Prometheus reach it at the node's address, whatever
+    /// the cluster's IP family.
+    AllAddresses(u16),
+    /// `ADDR:PORT` or `[ADDR]:PORT`: that address only (`127.0.0.1:9964`: the node itself).
+    Addr(SocketAddr),
+}
+
+impl Listen {
+    pub const DEFAULT: Self = Self::AllAddresses(9964);
+
+    pub fn parse(v: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "{v:?} is neither :PORT (every address) nor ADDRESS:PORT (e.g. 127.0.0.1:9964, \
+                 [::1]:9964)"
+            )
+        };
+        match v.strip_prefix(':') {
+            Some(port) => port.parse().map(Self::AllAddresses).map_err(|_| bad()),
+            None => v.parse().map(Self::Addr).map_err(|_| bad()),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        match self {
+            Self::AllAddresses(port) => *port,
+            Self::Addr(a) => a.port(),
+        }
+    }
+
+    async fn bind(self) -> io::Result<TcpListener> {
+        let port = match self {
+            Self::Addr(a) => return TcpListener::bind(a).await,
+            Self::AllAddresses(port) => port,
+        };
+        match bind_dual_stack(port) {
+            // No IPv6 on this host (ipv6.disable=1): IPv4 is all there is.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+                ) =>
+            {
+                TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).await
+            }
+            other => other,
+        }
+    }
+}
+
+impl fmt::Display for Listen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::AllAddresses(port) => write!(f, ":{port}"),
+            Self::Addr(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// `[::]:port` that takes IPv4 too, whatever the host's `net.ipv6.bindv6only` says.
+fn bind_dual_stack(port: u16) -> io::Result<TcpListener> {
+    let socket = TcpSocket::new_v6()?;
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Ipv6V6Only, &false)
+        .map_err(io::Error::from)?;
+    // As TcpListener::bind does: a restarted agent must not wait out TIME_WAIT for its port.
+    socket.set_reuseaddr(true)?;
+    socket.bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))?;
+    socket.listen(1024)
 }
 
 fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
@@ -75,11 +151,17 @@ async fn handle(
 }
 
 /// Binds now (so a bad address stops the agent at start) and serves in the background.
-pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) -> Result<SocketAddr, HttpError> {
-    let listener = TcpListener::bind(addr)
+pub async fn serve(agent: Arc<Agent>, addr: Listen) -> Result<Listen, HttpError> {
+    let listener = addr
+        .bind()
         .await
         .map_err(|source| HttpError::Bind { addr, source })?;
-    let bound = listener.local_addr().unwrap_or(addr);
+    // A dual-stack socket's own address, [::]:port, would read as IPv6 only.
+    let bound = match (addr, listener.local_addr()) {
+        (Listen::Addr(_), Ok(a)) => Listen::Addr(a),
+        (Listen::AllAddresses(_), Ok(a)) => Listen::AllAddresses(a.port()),
+        (_, Err(_)) => addr,
+    };
     tokio::spawn(async move {
         loop {
             let (stream, _) = match listener.accept().await {

@@ -1,4 +1,10 @@
-//! `/metrics`: Prometheus text (OpenMetrics) built from the data path at each scrape.
+//! `/metrics`: Prometheus text (OpenMetrics).
+//!
+//! What comes from walking the data path (the pod map, per-CPU counters, the plugin's records)
+//! is a [`DataPath`] snapshot, taken at most once per `metrics-max-age` by [`DataPathCache`]:
+//! a walk's syscalls grow with the pods, and what they cost is then bounded by time, not by
+//! how many scrapers ask how often. The agent's own counters, the last reconcile's figures and
+//! readiness are read at each scrape: they cost a few atomic loads and file checks.
 //!
 //! - per pod, from the per-CPU `SIDESTEP_STATS` map summed over CPUs, labelled with the pod's
 //!   namespace and name from the plugin's record (empty when it has none) and its netns cookie;
@@ -12,7 +18,11 @@
 use std::{
     collections::BTreeMap,
     path::Path,
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
 };
 
 pub use super::timings::CniTimings;
@@ -25,7 +35,11 @@ use prometheus_client::{
 use sidestep_abi::Counters as PodCounters;
 
 use super::{pods, reconcile::Report};
-use crate::{maps::PolicyMaps, status};
+use crate::{
+    maps::PolicyMaps,
+    pins::PinLayout,
+    status::{self, ProgramStatus},
+};
 
 /// What the agent counts itself.
 #[derive(Debug, Default)]
@@ -113,16 +127,106 @@ const POD_COUNTERS: [(&str, &str, Field); 7] = [
     ),
 ];
 
-/// The whole exposition.
+/// What /metrics reads from the data path and the plugin's state directory.
+#[derive(Debug, Default)]
+pub struct DataPath {
+    programs: Vec<ProgramStatus>,
+    attachments: usize,
+    pod_capacity: u32,
+    /// Every enrolled pod, with its counters summed over CPUs.
+    pods: Vec<(PodLabels, PodCounters)>,
+    failopen: usize,
+}
+
+impl DataPath {
+    /// One walk of the pod map (a per-CPU lookup per pod) and of the plugin's records. Not
+    /// `status::collect`, which also scans the interface map once per pod for `sidestep status`.
+    pub fn collect(pin_root: &Path, state_dir: &Path) -> Self {
+        let layout = PinLayout::new(pin_root);
+        let by_cookie: BTreeMap<u64, pods::Record> = pods::records(state_dir)
+            .into_values()
+            .map(|r| (r.netns_cookie, r))
+            .collect();
+        let (pods, pod_capacity) = match PolicyMaps::open(pin_root) {
+            Ok(maps) => {
+                let pods = maps
+                    .pods()
+                    .into_iter()
+                    .map(|(cookie, _)| {
+                        let record = by_cookie.get(&cookie);
+                        let labels = PodLabels {
+                            namespace: record
+                                .and_then(|r| r.pod_namespace.clone())
+                                .unwrap_or_default(),
+                            pod: record.and_then(|r| r.pod_name.clone()).unwrap_or_default(),
+                            netns_cookie: cookie.to_string(),
+                        };
+                        (labels, maps.counters(cookie))
+                    })
+                    .collect();
+                (pods, maps.pod_capacity)
+            }
+            Err(_) => (Vec::new(), 0),
+        };
+        Self {
+            programs: status::programs(&layout),
+            attachments: status::cgroup_links(&layout).len(),
+            pod_capacity,
+            pods,
+            failopen: pods::failopen_markers(state_dir),
+        }
+    }
+}
+
+/// Hands out a [`DataPath`] no older than `max_age`. A scrape that finds it stale takes the
+/// walk itself while holding the lock, so scrapes arriving meanwhile wait for that walk and
+/// share it instead of starting their own.
+#[derive(Debug)]
+pub struct DataPathCache {
+    max_age: Duration,
+    last: Mutex<Option<(Instant, Arc<DataPath>)>>,
+    walks: AtomicU64,
+}
+
+impl DataPathCache {
+    pub fn new(max_age: Duration) -> Self {
+        Self {
+            max_age,
+            last: Mutex::new(None),
+            walks: AtomicU64::new(0),
+        }
+    }
+
+    pub fn get(&self, pin_root: &Path, state_dir: &Path) -> Arc<DataPath> {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((at, data)) = last.as_ref()
+            && at.elapsed() < self.max_age
+        {
+            return data.clone();
+        }
+        let data = Arc::new(DataPath::collect(pin_root, state_dir));
+        self.walks.fetch_add(1, Ordering::Relaxed);
+        // Aged from the walk's end: a walk slower than max_age still leaves room between walks.
+        *last = Some((Instant::now(), data.clone()));
+        data
+    }
+
+    /// Walks taken so far.
+    pub fn walks(&self) -> u64 {
+        self.walks.load(Ordering::Relaxed)
+    }
+}
+
+/// The whole exposition: `data` from the cache, which has walked `walks` times; the rest now.
 pub fn render(
-    pin_root: &Path,
     state_dir: &Path,
     ready: bool,
     report: &Report,
     counters: &AgentCounters,
+    data: &DataPath,
+    walks: u64,
 ) -> String {
     let mut reg = Registry::default();
-    let st = status::collect(pin_root);
     gauge(
         &mut reg,
         "sidestep_ready",
@@ -133,19 +237,19 @@ pub fn render(
         &mut reg,
         "sidestep_programs_attached",
         "Cgroup attachments (links) in place",
-        st.attachments.len() as i64,
+        data.attachments as i64,
     );
     gauge(
         &mut reg,
         "sidestep_pod_capacity",
         "Slots in the pod map",
-        i64::from(st.pod_capacity),
+        i64::from(data.pod_capacity),
     );
     gauge(
         &mut reg,
         "sidestep_pods_enrolled",
         "Pods in the pod map",
-        st.pods.len() as i64,
+        data.pods.len() as i64,
     );
     gauge(
         &mut reg,
@@ -163,7 +267,7 @@ pub fn render(
         &mut reg,
         "sidestep_cni_failopen_pods",
         "Pods the plugin let through uncaptured (FAIL_OPEN markers)",
-        pods::failopen_markers(state_dir) as i64,
+        data.failopen as i64,
     );
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
     for (name, help, v) in [
@@ -215,39 +319,30 @@ pub fn render(
     ] {
         counter(&mut reg, name, help, c(v));
     }
+    counter(
+        &mut reg,
+        "sidestep_metrics_datapath_walks",
+        "Walks of the pod map and records for /metrics (at most one per metrics-max-age)",
+        walks,
+    );
 
     counters.cni.poll(state_dir);
     counters.cni.register(&mut reg);
 
-    let by_cookie: BTreeMap<u64, pods::Record> = pods::records(state_dir)
-        .into_values()
-        .map(|r| (r.netns_cookie, r))
-        .collect();
-    if let Ok(maps) = PolicyMaps::open(pin_root) {
-        let families: Vec<PodFamily> = POD_COUNTERS.iter().map(|_| PodFamily::default()).collect();
-        for (cookie, _) in maps.pods() {
-            let totals = maps.counters(cookie);
-            let record = by_cookie.get(&cookie);
-            let labels = PodLabels {
-                namespace: record
-                    .and_then(|r| r.pod_namespace.clone())
-                    .unwrap_or_default(),
-                pod: record.and_then(|r| r.pod_name.clone()).unwrap_or_default(),
-                netns_cookie: cookie.to_string(),
-            };
-            for (family, (_, _, get)) in families.iter().zip(POD_COUNTERS) {
-                family.get_or_create(&labels).inc_by(get(&totals));
-            }
+    let families: Vec<PodFamily> = POD_COUNTERS.iter().map(|_| PodFamily::default()).collect();
+    for (labels, totals) in &data.pods {
+        for (family, (_, _, get)) in families.iter().zip(POD_COUNTERS) {
+            family.get_or_create(labels).inc_by(get(totals));
         }
-        for (family, (name, help, _)) in families.into_iter().zip(POD_COUNTERS) {
-            reg.register(name, help, family);
-        }
+    }
+    for (family, (name, help, _)) in families.into_iter().zip(POD_COUNTERS) {
+        reg.register(name, help, family);
     }
 
     if bpf_stats_enabled() {
         let runs = Family::<ProgLabels, Counter>::default();
         let time = Family::<ProgLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
-        for p in &st.programs {
+        for p in &data.programs {
             let l = ProgLabels {
                 program: p.name.clone(),
             };

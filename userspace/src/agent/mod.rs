@@ -58,6 +58,8 @@ pub struct Agent {
     /// The rendered plugin entry.
     pub entry: Value,
     pub counters: AgentCounters,
+    /// The data-path part of /metrics, walked at most once per `metrics-max-age`.
+    pub metrics_cache: metrics::DataPathCache,
     service_account: bool,
     /// (inode, size, mtime) of the installed binary after our last check, so a reconcile
     /// re-reads it only when something changed it.
@@ -124,7 +126,8 @@ impl Agent {
     pub fn start(settings: Settings) -> anyhow::Result<Self> {
         let cgroup = match &settings.cgroup {
             Some(c) => c.clone(),
-            None => mounts::cgroup2_root().context("setting cgroup: finding the cgroup2 root")?,
+            None => mounts::node_cgroup2_root()
+                .context("setting cgroup: unset, and the node's cgroup2 root is not in sight")?,
         };
         let object = settings
             .bpf_object
@@ -174,6 +177,7 @@ impl Agent {
             cni_net_dir: settings.host_cni_conf_dir.display().to_string(),
         });
         let agent = Self {
+            metrics_cache: metrics::DataPathCache::new(settings.metrics_max_age),
             settings,
             entry,
             counters: AgentCounters::default(),
@@ -335,12 +339,15 @@ impl Agent {
     pub fn metrics(&self) -> String {
         let ready = self.readiness().0;
         let report = lock(&self.report).clone();
+        let s = &self.settings;
+        let data = self.metrics_cache.get(&s.pin_root, &s.state_dir);
         metrics::render(
-            &self.settings.pin_root,
-            &self.settings.state_dir,
+            &s.state_dir,
             ready,
             &report,
             &self.counters,
+            &data,
+            self.metrics_cache.walks(),
         )
     }
 

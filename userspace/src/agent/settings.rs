@@ -9,7 +9,6 @@
 use std::{
     collections::BTreeMap,
     fs,
-    net::SocketAddr,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -19,6 +18,7 @@ use serde_json::Value;
 pub use super::args::AgentArgs;
 use super::{
     args::{CONFIG_ONLY_KEYS, KEYS, cli_value, env_name},
+    http::Listen,
     template::{self, PluginTemplate},
 };
 use crate::{mounts, pins::DEFAULT_PIN_ROOT, policy::Policy};
@@ -71,7 +71,10 @@ pub struct Settings {
     pub pin_root: PathBuf,
     pub cgroup: Option<PathBuf>,
     pub state_dir: PathBuf,
-    pub listen: SocketAddr,
+    pub listen: Listen,
+    /// How old the data-path figures of /metrics may be: the pod map is walked at most once
+    /// per this, whatever the number of scrapes.
+    pub metrics_max_age: Duration,
     pub reconcile_interval: Duration,
     pub repair: bool,
     pub repair_policy: Policy,
@@ -377,13 +380,11 @@ impl Settings {
                 })
                 .transpose()?,
             state_dir: r.dir("state-dir", "/var/run/sidestep/cni", false)?,
-            listen: r.parse(
-                "listen",
-                || Ok(SocketAddr::from(([0, 0, 0, 0], 9964))),
-                |v| {
-                    v.parse()
-                        .map_err(|_| format!("{v:?} is not an address:port"))
-                },
+            listen: r.parse("listen", || Ok(Listen::DEFAULT), Listen::parse)?,
+            metrics_max_age: r.parse(
+                "metrics-max-age",
+                || Ok(Duration::from_secs(5)),
+                parse_duration,
             )?,
             reconcile_interval: r.parse(
                 "reconcile-interval",

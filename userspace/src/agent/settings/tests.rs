@@ -37,6 +37,31 @@ fn defaults_resolve() {
     assert!(!s.repair);
     assert!(s.scan_proc);
     assert_eq!(s.log_level, "info");
+    assert_eq!(s.listen, Listen::AllAddresses(9964));
+    assert_eq!(s.metrics_max_age, Duration::from_secs(5));
+}
+
+#[test]
+fn listen_is_every_address_or_one() {
+    let p = |v| Listen::parse(v);
+    assert_eq!(p(":9964"), Ok(Listen::AllAddresses(9964)));
+    assert_eq!(
+        p("127.0.0.1:9964"),
+        Ok(Listen::Addr(([127, 0, 0, 1], 9964).into()))
+    );
+    assert_eq!(p("[::1]:80").map(|l| l.port()), Ok(80));
+    assert_eq!(p(":9964").unwrap().to_string(), ":9964");
+    assert_eq!(p("[::1]:9964").unwrap().to_string(), "[::1]:9964");
+    for bad in [
+        "nowhere",
+        "127.0.0.1",
+        ":",
+        ":x",
+        "::1:9964",
+        "0.0.0.0:70000",
+    ] {
+        assert!(p(bad).is_err(), "{bad} accepted");
+    }
 }
 
 #[test]
@@ -95,6 +120,11 @@ fn bad_settings_are_named() {
             "setting kubeconfig-name",
         ),
         (with(&|a| a.listen = s("nowhere")), "setting listen"),
+        (with(&|a| a.listen = s("127.0.0.1")), "setting listen"),
+        (
+            with(&|a| a.metrics_max_age = s("fast")),
+            "setting metrics-max-age",
+        ),
         (
             with(&|a| a.reconcile_interval = s("5 parsecs")),
             "setting reconcile-interval",
