@@ -210,7 +210,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let cgroup = match cgroup {
                 Some(c) => c,
-                None => sidestep::mounts::cgroup2_root()?,
+                None => sidestep::mounts::node_cgroup2_root()?,
             };
             let outcome = loader::load(&loader::LoadOptions {
                 cgroup: cgroup.clone(),
