@@ -53,11 +53,15 @@ pub enum FailStrategy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PodSourceChoice {
+    /// The runtime's annotations when it passed them, else the Pod from the API (the behaviour
+    /// of earlier versions, still the default: see docs/OPERATIONS.md for why `auto` is not yet).
+    #[default]
+    #[serde(rename = "prefer-annotations")]
+    PreferAnnotations,
     /// The Pod from the API when a kubeconfig is configured, as istio-cni reads it: the proxy
     /// container's securityContext, env and args decide too. The runtime's annotations are the
     /// fallback when the API does not answer within the retry budget, and the only source
     /// without a kubeconfig.
-    #[default]
     Auto,
     /// The API only: no answer within the budget is an error (fail_strategy decides).
     Api,

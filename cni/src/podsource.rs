@@ -102,8 +102,12 @@ pub fn pod_info(
             .as_ref()
             .map(|a| PodInfo::from_annotations(&id.name, &id.namespace, a.clone()))
     };
-    let use_api =
-        cfg.kubernetes.kubeconfig.is_some() && cfg.pod_source != PodSourceChoice::Annotations;
+    let use_api = cfg.kubernetes.kubeconfig.is_some()
+        && match cfg.pod_source {
+            PodSourceChoice::Annotations => false,
+            PodSourceChoice::PreferAnnotations => cfg.pod_annotations.is_none(),
+            PodSourceChoice::Auto | PodSourceChoice::Api => true,
+        };
     if !use_api {
         return from_annotations()
             .map(|p| (p, SourceUsed::Annotations))
@@ -190,13 +194,31 @@ mod tests {
         json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"a": "b"}}})
     }
 
+    fn auto(mut extra: serde_json::Value) -> serde_json::Value {
+        extra["pod_source"] = json!("auto");
+        extra
+    }
+
     #[test]
-    fn the_api_comes_first_when_a_kubeconfig_is_set() {
+    fn the_default_prefers_the_runtimes_annotations() {
         let up = Flaky {
             fail_first: 0,
             calls: Cell::new(0),
         };
-        let (pod, source) = pod_info(&plugin_config(with_annotations()), &id(), &up).unwrap();
+        let (_, source) = pod_info(&plugin_config(with_annotations()), &id(), &up).unwrap();
+        assert_eq!(source, SourceUsed::Annotations);
+        assert_eq!(up.calls.get(), 0);
+        let (_, source) = pod_info(&plugin_config(json!({})), &id(), &up).unwrap();
+        assert_eq!(source, SourceUsed::Api);
+    }
+
+    #[test]
+    fn auto_reads_the_api_first_when_a_kubeconfig_is_set() {
+        let up = Flaky {
+            fail_first: 0,
+            calls: Cell::new(0),
+        };
+        let (pod, source) = pod_info(&plugin_config(auto(with_annotations())), &id(), &up).unwrap();
         assert_eq!(
             (source, pod.source),
             (SourceUsed::Api, crate::pod::PodSource::Api)
@@ -211,12 +233,12 @@ mod tests {
             calls: Cell::new(0),
         };
         let r = down();
-        let (_, source) = pod_info(&plugin_config(with_annotations()), &id(), &r).unwrap();
+        let (_, source) = pod_info(&plugin_config(auto(with_annotations())), &id(), &r).unwrap();
         assert_eq!(source, SourceUsed::AnnotationsAfterApiFailure);
         assert_eq!(r.calls.get(), 2, "the whole retry budget is spent first");
         // No annotations to fall back to: the API's error.
         let r = down();
-        let e = pod_info(&plugin_config(json!({})), &id(), &r).unwrap_err();
+        let e = pod_info(&plugin_config(auto(json!({}))), &id(), &r).unwrap_err();
         assert!(matches!(e, PodReadError::Api { tries: 2, .. }), "{e}");
         // pod_source api: no fallback.
         let mut cfg = with_annotations();
