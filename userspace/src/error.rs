@@ -59,7 +59,7 @@ pub enum LoadError {
     #[error("the BPF object has no program {0}; rebuild with `cargo xtask build`")]
     MissingProgram(&'static str),
     #[error(
-        "the kernel refused program {name}: {source}. sidestep needs Linux 6.6 or later with CONFIG_CGROUP_BPF and BTF"
+        "the kernel refused program {name}: {source}. sidestep needs Linux 6.13 or later (bpf_get_netns_cookie in tc programs) with CONFIG_CGROUP_BPF and BTF"
     )]
     ProgramLoad {
         name: &'static str,
