@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::sock::{check, sockaddr, tcp_socket};
+use crate::sock::{check, connect_within, sockaddr, tcp_socket};
 
 /// An IPv6 extension header the kernel can add to every segment of a socket (RFC 3542's sticky
 /// options).
@@ -47,43 +47,6 @@ fn set_ext_header(fd: RawFd, ext: ExtHeader) -> std::io::Result<()> {
         )
     })
     .map(drop)
-}
-
-/// Connects `fd` (non-blocking) to `addr` within `timeout`.
-fn connect_within(fd: RawFd, addr: SocketAddr, timeout: Duration) -> std::io::Result<()> {
-    let (ss, len) = sockaddr(addr);
-    // SAFETY: `ss` holds a sockaddr of length `len`.
-    match check(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }) {
-        Ok(_) => return Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => return Err(e),
-    }
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLOUT,
-        revents: 0,
-    };
-    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
-    // SAFETY: one valid pollfd.
-    if check(unsafe { libc::poll(&raw mut pfd, 1, ms) })? == 0 {
-        return Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT));
-    }
-    let mut err: libc::c_int = 0;
-    let mut elen = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `err` and `elen` are valid for writes of the given size.
-    check(unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ERROR,
-            (&raw mut err).cast(),
-            &raw mut elen,
-        )
-    })?;
-    if err != 0 {
-        return Err(std::io::Error::from_raw_os_error(err));
-    }
-    Ok(())
 }
 
 /// `probe connect-ext ADDR --hopopts|--dstopts`: `probe connect` (without `--http`) from an IPv6

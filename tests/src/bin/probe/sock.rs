@@ -167,41 +167,51 @@ pub(super) fn open_connected(
     if let Some(source) = source {
         bind(fd, source)?;
     }
-    let (ss, len) = sockaddr(addr);
-    // SAFETY: `ss` holds a sockaddr of length `len`.
-    if let Err(e) = check(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }) {
-        if e.raw_os_error() != Some(libc::EINPROGRESS) {
-            return Err(e);
-        }
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLOUT,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: one valid pollfd.
-        if check(unsafe { libc::poll(&raw mut pfd, 1, ms) })? == 0 {
-            return Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT));
-        }
-        let mut err: libc::c_int = 0;
-        let mut elen = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: `err` and `elen` are valid for writes of the given size.
-        check(unsafe {
-            libc::getsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_ERROR,
-                (&raw mut err).cast(),
-                &raw mut elen,
-            )
-        })?;
-        if err != 0 {
-            return Err(std::io::Error::from_raw_os_error(err));
-        }
-    }
+    connect_within(fd, addr, timeout)?;
     let stream = TcpStream::from(sock);
     stream.set_nonblocking(false)?;
     Ok(stream)
+}
+
+/// Connects `fd` (non-blocking) to `addr` within `timeout`.
+pub(super) fn connect_within(
+    fd: RawFd,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> std::io::Result<()> {
+    let (ss, len) = sockaddr(addr);
+    // SAFETY: `ss` holds a sockaddr of length `len`.
+    match check(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }) {
+        Ok(_) => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: one valid pollfd.
+    if check(unsafe { libc::poll(&raw mut pfd, 1, ms) })? == 0 {
+        return Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT));
+    }
+    let mut err: libc::c_int = 0;
+    let mut elen = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `err` and `elen` are valid for writes of the given size.
+    check(unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            (&raw mut err).cast(),
+            &raw mut elen,
+        )
+    })?;
+    if err != 0 {
+        return Err(std::io::Error::from_raw_os_error(err));
+    }
+    Ok(())
 }
 
 /// A listening socket on `addr`; an IPv6 one accepts only IPv6 under `v6only`.
