@@ -529,7 +529,7 @@ fn set_reroute(
         if !names.is_empty() {
             tc::attach_reroute(layout, netns, netns_cookie, names)?;
         } else if was_enrolled {
-            tc::detach_reroute(layout, netns_cookie);
+            tc::detach_reroute(layout, netns, netns_cookie);
         }
         Ok(())
     })();

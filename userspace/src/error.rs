@@ -59,7 +59,16 @@ pub enum LoadError {
     #[error("the BPF object has no program {0}; rebuild with `cargo xtask build`")]
     MissingProgram(&'static str),
     #[error(
-        "the kernel refused program {name}: {source}. sidestep needs Linux 6.13 or later (bpf_get_netns_cookie in tc programs) with CONFIG_CGROUP_BPF and BTF"
+        "Linux {release} lacks what sidestep needs: {}. sidestep needs Linux 6.1 or later with \
+         CONFIG_CGROUP_BPF, CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and BTF; nothing was loaded",
+        missing.join("; ")
+    )]
+    KernelLacks {
+        release: String,
+        missing: Vec<String>,
+    },
+    #[error(
+        "the kernel refused program {name}: {source}. sidestep needs Linux 6.1 or later with CONFIG_CGROUP_BPF and BTF"
     )]
     ProgramLoad {
         name: &'static str,

@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod enroll;
 pub mod error;
+pub mod features;
 pub mod identity;
 pub mod loader;
 pub mod maps;
@@ -16,5 +17,6 @@ pub mod stateindex;
 pub mod status;
 pub mod sys;
 pub mod tc;
+pub mod tcattach;
 pub mod tproxy;
 pub mod userns;

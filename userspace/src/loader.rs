@@ -22,7 +22,7 @@ use aya::{
     programs::{Program, ProgramError},
 };
 use aya_obj::generated::bpf_attach_type;
-use sidestep_abi::{map_names, program_names};
+use sidestep_abi::{globals, map_names, program_names};
 
 use crate::{error::LoadError, mounts, pins::PinLayout, sys};
 
@@ -199,7 +199,16 @@ fn load_inner(
         mkdir_private(&dir)?;
     }
 
+    let support = crate::features::probe();
+    if !support.missing.is_empty() {
+        return Err(LoadError::KernelLacks {
+            release: support.release,
+            missing: support.missing,
+        });
+    }
     let mut loader = EbpfLoader::new();
+    let tc_netns_cookie = u8::from(support.tc_netns_cookie);
+    loader.override_global(globals::TC_NETNS_COOKIE, &tc_netns_cookie, true);
     let map_paths: Vec<(&str, PathBuf)> =
         map_names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
     for (name, path) in &map_paths {
@@ -443,27 +452,44 @@ fn update_pod_links(layout: &PinLayout, ebpf: &aya::Ebpf) -> Result<(), LoadErro
     let reroute_in = fd(program_names::REROUTE_INGRESS)?;
     let reroute_eg = fd(program_names::REROUTE_EGRESS)?;
     let mut pins = Vec::new();
+    let (mut updated, mut gone) = (0usize, 0usize);
     if let Ok(pods) = fs::read_dir(layout.links_dir().join("tc")) {
         for pod in pods.flatten() {
+            // Filters (kernels without TCX) are switched inside their netns.
+            if let Ok(cookie) = pod.file_name().to_string_lossy().parse::<u64>() {
+                let (u, g) =
+                    crate::tcattach::update_filter_records(layout, cookie).map_err(|source| {
+                        LoadError::Replace {
+                            path: pod.path(),
+                            source,
+                        }
+                    })?;
+                updated += u;
+                gone += g;
+            }
             if let Ok(ifaces) = fs::read_dir(pod.path()) {
-                pins.extend(ifaces.flatten().map(|i| {
-                    let name = i.file_name().to_string_lossy().into_owned();
-                    let prog = if name.ends_with(crate::tc::REROUTE_INGRESS_SUFFIX) {
-                        reroute_in.as_fd()
-                    } else if name.ends_with(crate::tc::REROUTE_EGRESS_SUFFIX) {
-                        reroute_eg.as_fd()
-                    } else {
-                        tc_prog.as_fd()
-                    };
-                    (i.path(), prog)
-                }));
+                pins.extend(
+                    ifaces
+                        .flatten()
+                        .filter(|i| crate::tcattach::is_link_pin(&i.path()))
+                        .map(|i| {
+                            let name = i.file_name().to_string_lossy().into_owned();
+                            let prog = if name.ends_with(crate::tc::REROUTE_INGRESS_SUFFIX) {
+                                reroute_in.as_fd()
+                            } else if name.ends_with(crate::tc::REROUTE_EGRESS_SUFFIX) {
+                                reroute_eg.as_fd()
+                            } else {
+                                tc_prog.as_fd()
+                            };
+                            (i.path(), prog)
+                        }),
+                );
             }
         }
     }
     if let Ok(pods) = fs::read_dir(layout.links_dir().join("sklookup")) {
         pins.extend(pods.flatten().map(|p| (p.path(), lookup_prog.as_fd())));
     }
-    let (mut updated, mut gone) = (0usize, 0usize);
     for (i, (pin, prog)) in pins.iter().enumerate() {
         if i == 1 {
             sys::failpoint("upgrade:mid-pod-links");
@@ -512,6 +538,14 @@ pub fn unload(pin_root: &Path) -> Result<(), LoadError> {
         return Ok(());
     }
     let layout = PinLayout::new(pin_root);
+    // Filters (kernels without TCX) are no links: each is deleted inside its pod's netns.
+    if let Ok(pods) = fs::read_dir(layout.links_dir().join("tc")) {
+        for pod in pods.flatten() {
+            if let Ok(cookie) = pod.file_name().to_string_lossy().parse::<u64>() {
+                crate::tcattach::detach_filter_records(&layout, cookie);
+            }
+        }
+    }
     detach_links_under(&layout.links_dir())?;
     fs::remove_dir_all(pin_root).map_err(|source| LoadError::Unpin {
         path: pin_root.to_path_buf(),

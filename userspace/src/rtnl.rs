@@ -4,7 +4,7 @@
 use std::io;
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
     NetlinkPayload,
 };
 use netlink_packet_route::RouteNetlinkMessage;
@@ -67,6 +67,50 @@ impl Rtnl {
                             }
                         }
                     };
+                }
+                if len == 0 {
+                    break;
+                }
+                offset += len;
+            }
+        }
+    }
+
+    /// Sends a dump request and collects every message of the reply.
+    pub(crate) fn dump(
+        &mut self,
+        message: RouteNetlinkMessage,
+    ) -> io::Result<Vec<RouteNetlinkMessage>> {
+        self.seq += 1;
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        header.sequence_number = self.seq;
+        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        self.socket.send(&buf, 0)?;
+        let mut reply = vec![0; 32768];
+        let mut out = Vec::new();
+        loop {
+            let n = self.socket.recv(&mut &mut reply[..], 0)?;
+            let mut offset = 0;
+            while offset < n {
+                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                let len = msg.header.length as usize;
+                if msg.header.sequence_number == self.seq {
+                    match msg.payload {
+                        NetlinkPayload::Done(_) => return Ok(out),
+                        NetlinkPayload::Error(err) => {
+                            return match err.code {
+                                None => Ok(out),
+                                Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
+                            };
+                        }
+                        NetlinkPayload::InnerMessage(m) => out.push(m),
+                        _ => {}
+                    }
                 }
                 if len == 0 {
                     break;

@@ -41,6 +41,30 @@ pub struct Status {
     pub attachments: Vec<Attachment>,
     pub pods: Vec<PodStatus>,
     pub pod_capacity: u32,
+    pub kernel: KernelStatus,
+}
+
+/// The kernel facts that change how sidestep attaches (see docs/ARCHITECTURE.md, "Kernels").
+#[derive(Debug, Serialize)]
+pub struct KernelStatus {
+    pub release: String,
+    /// `tcx` (Linux 6.6+) or `netlink` (cls_bpf filters on a clsact qdisc); None when not loaded.
+    pub tc_attach: Option<String>,
+    /// Whether the tc program can name the pod of a SYN from off the node by its netns (6.13+).
+    pub tc_netns_cookie: bool,
+}
+
+fn kernel_status(layout: &PinLayout) -> KernelStatus {
+    let tc_attach = aya::programs::SchedClassifier::from_pin(
+        layout.program(sidestep_abi::program_names::TC_INGRESS),
+    )
+    .ok()
+    .map(|prog| crate::tcattach::mechanism(&prog).to_string());
+    KernelStatus {
+        release: crate::features::release(),
+        tc_attach,
+        tc_netns_cookie: crate::features::tc_netns_cookie(),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -236,6 +260,7 @@ pub fn collect(pin_root: &Path) -> Status {
         attachments,
         pods,
         pod_capacity,
+        kernel: kernel_status(&layout),
     }
 }
 
@@ -252,6 +277,17 @@ impl Status {
             return out;
         }
         let _ = writeln!(out, "sidestep at {}", self.pin_root.display());
+        let _ = writeln!(
+            out,
+            "kernel {}: tc attach {}, tc netns cookie {}",
+            self.kernel.release,
+            self.kernel.tc_attach.as_deref().unwrap_or("?"),
+            if self.kernel.tc_netns_cookie {
+                "yes"
+            } else {
+                "no (6.13+)"
+            }
+        );
         let _ = writeln!(out, "\nPROGRAMS ({}):", self.programs.len());
         let _ = writeln!(
             out,

@@ -49,6 +49,44 @@ pub fn link_create(
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// Whether the kernel can attach `prog` (a sched_cls program) as a TCX link. Asked with an
+/// ifindex no interface has, so nothing is ever attached: a kernel with TCX gets as far as
+/// looking the interface up (ENODEV), one without refuses the attach type (EINVAL).
+pub fn probe_tcx(prog: BorrowedFd<'_>) -> bool {
+    let mut attr = zeroed_attr();
+    attr.link_create.__bindgen_anon_1.prog_fd = prog.as_raw_fd() as u32;
+    attr.link_create.__bindgen_anon_2.target_ifindex = 0;
+    attr.link_create.attach_type = bpf_attach_type::BPF_TCX_INGRESS as u32;
+    match bpf(bpf_cmd::BPF_LINK_CREATE, &mut attr) {
+        Ok(fd) => {
+            // SAFETY: the kernel returned a new file descriptor that nothing else owns; closing
+            // it detaches whatever it made.
+            drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+            true
+        }
+        Err(e) => e.raw_os_error() == Some(libc::ENODEV),
+    }
+}
+
+/// What kind of BPF object a file descriptor refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BpfFdKind {
+    Program,
+    Link,
+    Map,
+}
+
+/// The kind of a BPF object fd, from the anonymous inode the kernel names it by.
+pub fn fd_kind(fd: BorrowedFd<'_>) -> Option<BpfFdKind> {
+    let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
+    match target.to_str()? {
+        "anon_inode:bpf-prog" => Some(BpfFdKind::Program),
+        "anon_inode:bpf-link" => Some(BpfFdKind::Link),
+        "anon_inode:bpf-map" => Some(BpfFdKind::Map),
+        _ => None,
+    }
+}
+
 /// BPF_PROG_ATTACH of `prog` to `target` (for sk_msg, the sockhash). The attachment lives as long
 /// as the target; attaching again replaces the program.
 pub fn prog_attach(

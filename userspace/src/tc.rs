@@ -7,10 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::{
-    programs::{SchedClassifier, TcAttachType, links::FdLink, tc},
-    util::KernelVersion,
-};
+use aya::programs::SchedClassifier;
 use sidestep_abi::program_names;
 
 use crate::{
@@ -19,6 +16,7 @@ use crate::{
     netns::Netns,
     pins::PinLayout,
     policy::InboundHook,
+    tcattach,
 };
 
 pub fn pod_links_dir(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
@@ -76,47 +74,19 @@ pub fn attach_inbound(
             }
             InboundHook::SkLookup => None,
         };
-        let tcx = has_tcx();
         for name in &excluded {
             let pin = dir_in.join(name);
             if pin.exists() {
-                detach_links_under_file(&pin);
+                tcattach::detach_here(&pin, name, tcattach::INBOUND);
             }
         }
         let mut attached = Vec::new();
         for name in names.into_iter().filter(|n| !excluded.contains(n)) {
             let pin = dir_in.join(&name);
-            if pin.exists() {
-                detach_links_under_file(&pin);
-            }
-            let Some(prog) = prog.as_mut() else {
-                let ifindex = nix::net::if_::if_nametoindex(name.as_str())?;
-                attached.push((name, ifindex));
-                continue;
-            };
-            // Kernels before 6.6 have no TCX; aya then attaches through netlink and needs clsact.
-            // With TCX the qdisc is not used, and adding it costs a netlink round trip and, on a
-            // fresh interface, a qdisc graft, in every ADD.
-            if !tcx
-                && let Err(e) = tc::qdisc_add_clsact(&name)
-                && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
-                && !matches!(&e, tc::TcError::NetlinkError(_))
-            {
-                tracing::debug!(interface = %name, error = %e, "clsact");
-            }
-            let id = prog
-                .attach(&name, TcAttachType::Ingress)
-                .map_err(|e| std::io::Error::other(format!("attach tc ingress to {name}: {e}")))?;
-            let link = prog.take_link(id).map_err(std::io::Error::other)?;
-            match FdLink::try_from(link) {
-                Ok(fd_link) => {
-                    fd_link
-                        .pin(&pin)
-                        .map_err(|e| std::io::Error::other(format!("pin {}: {e}", pin.display())))?;
-                }
-                // A netlink filter outlives us on its own; it is removed with the interface.
-                Err(aya::programs::links::LinkError::InvalidLink) => {}
-                Err(e) => return Err(std::io::Error::other(e)),
+            match prog.as_mut() {
+                Some(prog) => tcattach::attach_here(prog, &name, tcattach::INBOUND, &pin)?,
+                None if pin.exists() => tcattach::detach_here(&pin, &name, tcattach::INBOUND),
+                None => {}
             }
             let ifindex = nix::net::if_::if_nametoindex(name.as_str())?;
             attached.push((name, ifindex));
@@ -141,6 +111,10 @@ pub fn attach_inbound(
             Err(EnrollError::NoInterface(netns.path().to_path_buf()))
         }
         Err(e) => {
+            let _ = netns.run(|| {
+                detach_pins_here(&dir);
+                Ok(())
+            });
             let _ = detach_links_under(&dir);
             let _ = fs::remove_dir(&dir);
             Err(e.into())
@@ -148,15 +122,37 @@ pub fn attach_inbound(
     }
 }
 
-/// Whether aya attaches tc programs as TCX links here (it does from kernel 6.6 on, by the same
-/// version test).
-fn has_tcx() -> bool {
-    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
+/// Detaches what every pin in `dir` records (TCX links and filters), from inside the pod's netns.
+fn detach_pins_here(dir: &Path) {
+    for e in fs::read_dir(dir).into_iter().flat_map(|d| d.flatten()) {
+        let (interface, slot) = tcattach::slot_of_pin(&e.file_name().to_string_lossy());
+        tcattach::detach_here(&e.path(), &interface, slot);
+    }
 }
 
-/// Detaches the link pinned at `pin` and removes the pin.
-pub fn detach_link_pin(pin: &std::path::Path) {
-    detach_links_under_file(pin);
+/// Detaches the tc attachment of one interface of a pod (a link, or a filter inside the pod's
+/// netns while it lives) and removes its pin.
+pub fn detach_link_pin(layout: &PinLayout, netns_cookie: u64, pin: &Path) {
+    if tcattach::is_link_pin(pin) {
+        detach_links_under_file(pin);
+        return;
+    }
+    let name = pin
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let (interface, slot) = tcattach::slot_of_pin(&name);
+    match tcattach::find_pod_netns(layout, netns_cookie) {
+        Some(netns) => {
+            let _ = netns.run(|| {
+                tcattach::detach_here(pin, &interface, slot);
+                Ok(())
+            });
+        }
+        None => {
+            let _ = fs::remove_file(pin);
+        }
+    }
 }
 
 fn detach_links_under_file(pin: &std::path::Path) {
@@ -251,6 +247,8 @@ fn link_netns(prog: std::os::fd::BorrowedFd<'_>, netns: &Netns, pin: &Path) -> s
 /// Detaches every inbound link of the pod (tc and sk_lookup). Works when the netns is already
 /// gone. Idempotent.
 pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadError> {
+    // Filters first: their netns is found through the sk_lookup link.
+    tcattach::detach_filter_records(layout, netns_cookie);
     // The shared program first: without it the identity program only writes a slot.
     detach_links_under_file(&sk_lookup_pin(layout, netns_cookie));
     detach_links_under_file(&crate::identity::pin(layout, netns_cookie));
@@ -449,7 +447,8 @@ pub fn attach_reroute(
         for e in fs::read_dir(&dir_in)?.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if is_reroute_pin(&name) && !wanted.contains(&name) {
-                detach_links_under_file(&e.path());
+                let (interface, slot) = tcattach::slot_of_pin(&name);
+                tcattach::detach_here(&e.path(), &interface, slot);
             }
         }
         if names.is_empty() {
@@ -458,57 +457,43 @@ pub fn attach_reroute(
         let mut ingress =
             SchedClassifier::from_pin(&ingress_path).map_err(std::io::Error::other)?;
         let mut egress = SchedClassifier::from_pin(&egress_path).map_err(std::io::Error::other)?;
-        let tcx = has_tcx();
         for name in &names {
-            if !tcx
-                && let Err(e) = tc::qdisc_add_clsact(name)
-                && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
-                && !matches!(&e, tc::TcError::NetlinkError(_))
-            {
-                tracing::debug!(interface = %name, error = %e, "clsact");
-            }
-            for (prog, kind, suffix) in [
-                (&mut ingress, TcAttachType::Ingress, REROUTE_INGRESS_SUFFIX),
-                (&mut egress, TcAttachType::Egress, REROUTE_EGRESS_SUFFIX),
+            for (prog, slot, suffix) in [
+                (
+                    &mut ingress,
+                    tcattach::REROUTE_INGRESS,
+                    REROUTE_INGRESS_SUFFIX,
+                ),
+                (&mut egress, tcattach::REROUTE_EGRESS, REROUTE_EGRESS_SUFFIX),
             ] {
                 let pin = dir_in.join(format!("{name}{suffix}"));
-                if pin.exists() {
-                    detach_links_under_file(&pin);
-                }
-                let id = prog.attach(name, kind).map_err(|e| {
-                    std::io::Error::other(format!("attach re-route {kind:?} to {name}: {e}"))
+                tcattach::attach_here(prog, name, slot, &pin).map_err(|e| {
+                    std::io::Error::other(format!("re-route {:?}: {e}", slot.attach_type))
                 })?;
-                let link = prog.take_link(id).map_err(std::io::Error::other)?;
-                match FdLink::try_from(link) {
-                    Ok(fd_link) => {
-                        fd_link.pin(&pin).map_err(|e| {
-                            std::io::Error::other(format!("pin {}: {e}", pin.display()))
-                        })?;
-                    }
-                    Err(aya::programs::links::LinkError::InvalidLink) => {}
-                    Err(e) => return Err(std::io::Error::other(e)),
-                }
             }
         }
         Ok(())
     });
     if let Err(e) = result {
-        detach_reroute(layout, netns_cookie);
+        detach_reroute(layout, netns, netns_cookie);
         return Err(e.into());
     }
     Ok(())
 }
 
 /// Detaches the pod's re-route links only (the inbound ones stay).
-pub fn detach_reroute(layout: &PinLayout, netns_cookie: u64) {
+pub fn detach_reroute(layout: &PinLayout, netns: &Netns, netns_cookie: u64) {
     let dir = pod_links_dir(layout, netns_cookie);
-    if let Ok(entries) = fs::read_dir(&dir) {
-        for e in entries.flatten() {
-            if is_reroute_pin(&e.file_name().to_string_lossy()) {
-                detach_links_under_file(&e.path());
+    let _ = netns.run(|| {
+        for e in fs::read_dir(&dir).into_iter().flat_map(|d| d.flatten()) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if is_reroute_pin(&name) {
+                let (interface, slot) = tcattach::slot_of_pin(&name);
+                tcattach::detach_here(&e.path(), &interface, slot);
             }
         }
-    }
+        Ok(())
+    });
     // Empty once nothing else is attached; a directory with inbound links stays.
     let _ = fs::remove_dir(&dir);
 }

@@ -41,6 +41,12 @@ pub mod map_names {
 }
 
 /// Names of the programs (their Rust function names in the BPF crate).
+/// Read-only globals of the BPF object that the loader sets per kernel.
+pub mod globals {
+    /// `1` when tc programs may call bpf_get_netns_cookie (Linux 6.13+).
+    pub const TC_NETNS_COOKIE: &str = "TC_NETNS_COOKIE";
+}
+
 pub mod program_names {
     pub const CONNECT4: &str = "sidestep_connect4";
     pub const CONNECT6: &str = "sidestep_connect6";

@@ -35,7 +35,15 @@ const PASS: i32 = 0;
 const DROP: i32 = 2;
 
 const TCP_TIME_WAIT: u32 = 6;
+/// bpf_sk_assign's refusal of a SO_REUSEPORT socket before Linux 6.5.
+const ESOCKTNOSUPPORT: i64 = 94;
 const TCP_LISTEN: u32 = 10;
+
+/// Set by the loader when the kernel lets tc programs call bpf_get_netns_cookie (Linux 6.13+).
+/// Read-only data the kernel sees frozen: on older kernels the verifier knows the value is 0,
+/// never walks the helper call and removes it as dead code, so one object loads on both.
+#[unsafe(no_mangle)]
+static TC_NETNS_COOKIE: u8 = 0;
 
 #[classifier]
 pub fn sidestep_tc_ingress(ctx: TcContext) -> i32 {
@@ -61,6 +69,8 @@ pub fn captures_port(netns_cookie: u64, pod: &PodPolicy, port: u16) -> bool {
 /// The pod this segment is for. bpf_get_netns_cookie on an skb prefers the netns of `skb->sk`,
 /// which for traffic between pods on one node is the *sender's*; so the destination address
 /// decides, and the helper is used only for an skb that carries no socket (from off the node).
+/// Without the helper (kernels before 6.13) such an skb is left to the kernel's lookup, where the
+/// pod's sk_lookup programs name the pod and capture it, as they do for traffic from this node.
 #[inline(always)]
 fn destination_pod(ctx: &TcContext, seg: &Segment) -> Option<u64> {
     // SAFETY: the value is copied out at once.
@@ -69,9 +79,10 @@ fn destination_pod(ctx: &TcContext, seg: &Segment) -> Option<u64> {
     }
     // SAFETY: `sk` is a readable pointer field of __sk_buff.
     let sk = unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk };
+    // SAFETY: a read of this object's own frozen read-only data.
+    let has_helper = unsafe { core::ptr::read_volatile(&raw const TC_NETNS_COOKIE) } != 0;
     // SAFETY: valid skb context.
-    sk.is_null()
-        .then(|| unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
+    (sk.is_null() && has_helper).then(|| unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
 }
 
 #[inline(always)]
@@ -107,11 +118,26 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
     };
     // SAFETY: `listener` is a referenced socket from skc_lookup; state is a sock_common field.
     let is_listener = unsafe { (*listener).state } == TCP_LISTEN;
-    // SAFETY: the skb is at tc ingress and `listener` a referenced socket.
-    let assigned = is_listener && unsafe { bpf_sk_assign(ctx.as_ptr(), listener.cast(), 0) } == 0;
+    let assigned = if is_listener {
+        // SAFETY: the skb is at tc ingress and `listener` a referenced socket.
+        unsafe { bpf_sk_assign(ctx.as_ptr(), listener.cast(), 0) }
+    } else {
+        -1
+    };
+    if assigned == -ESOCKTNOSUPPORT {
+        // Before Linux 6.5 tc cannot assign a SO_REUSEPORT listener (HAProxy's and Envoy's
+        // are). The kernel's own lookup can: the pod's sk_lookup program steers this SYN to
+        // the proxy, from the listener map, so the listener must be in it.
+        if captures_on_interface(ctx, netns_cookie) {
+            register_listener(netns_cookie, listener, pod.inbound_port);
+        }
+        // SAFETY: releases the reference skc_lookup took.
+        unsafe { bpf_sk_release(listener.cast()) };
+        return NEXT;
+    }
     // SAFETY: releases the reference skc_lookup took.
     unsafe { bpf_sk_release(listener.cast()) };
-    if !assigned {
+    if assigned != 0 {
         return DROP;
     }
     let key = TupleKey {
@@ -157,6 +183,23 @@ fn remember_listener(
     netns_cookie: u64,
     inbound_port: u16,
 ) {
+    if !captures_on_interface(ctx, netns_cookie) {
+        return;
+    }
+    let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {
+        return;
+    };
+    register_listener(netns_cookie, listener, inbound_port);
+    // SAFETY: releases the reference skc_lookup took.
+    unsafe { bpf_sk_release(listener.cast()) };
+}
+
+/// Whether this skb's interface is one the pod captures inbound on with tc: the lookup runs in
+/// the interface's netns, and a listener key names the pod by the destination address, so the
+/// two must be the same pod (an address two netns share must not let one pod's SYNs reach the
+/// other's proxy).
+#[inline(always)]
+fn captures_on_interface(ctx: &TcContext, netns_cookie: u64) -> bool {
     // SAFETY: `ifindex` is a readable 4-byte field of __sk_buff.
     let ifindex = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).ifindex) };
     let iface = InterfaceKey {
@@ -165,43 +208,43 @@ fn remember_listener(
         _reserved: 0,
     };
     // SAFETY: the value is read at once.
-    if unsafe { SIDESTEP_IFACES.get(iface) }.is_none_or(|kind| *kind != iface_kind::TC) {
-        return;
-    }
-    let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {
-        return;
-    };
+    unsafe { SIDESTEP_IFACES.get(iface) }.is_some_and(|kind| *kind == iface_kind::TC)
+}
+
+/// Adds `listener` (a referenced socket the caller releases) to `SIDESTEP_LSTN` when it listens
+/// and is not there yet.
+#[inline(always)]
+fn register_listener(netns_cookie: u64, listener: *mut bpf_sock, inbound_port: u16) {
     // SAFETY: `listener` is a referenced socket from skc_lookup; both are sock_common fields.
     let (state, family) = unsafe { ((*listener).state, (*listener).family) };
-    if state == TCP_LISTEN {
-        // The socket's own family, as sock_ops keys it: a dual-stack [::] listener is AF_INET6
-        // and sk_lookup tries that key for IPv4 too.
-        let key = ListenerKey {
-            netns_cookie,
-            family,
-            port: u32::from(inbound_port),
-        };
-        let map = core::ptr::from_ref(&SIDESTEP_LSTN).cast_mut().cast();
-        let key_ptr = core::ptr::from_ref(&key).cast();
-        // SAFETY: the map pointer is the BTF map definition the loader relocates (what aya's
-        // own wrappers pass), the key lives on this stack. A sockhash lookup returns a
-        // referenced socket, released at once.
-        let present = unsafe {
-            let sk = bpf_map_lookup_elem(map, key_ptr);
-            if !sk.is_null() {
-                bpf_sk_release(sk);
-            }
-            !sk.is_null()
-        };
-        if !present {
-            // SAFETY: as above; the value is a referenced full listening socket, which the
-            // kernel checks again (sk_fullsock, state) under its lock. A failure leaves the map
-            // as it was: the SYN is then refused as before.
-            let _ = unsafe { bpf_map_update_elem(map, key_ptr, listener.cast(), 0) };
-        }
+    if state != TCP_LISTEN {
+        return;
     }
-    // SAFETY: releases the reference skc_lookup took.
-    unsafe { bpf_sk_release(listener.cast()) };
+    // The socket's own family, as sock_ops keys it: a dual-stack [::] listener is AF_INET6
+    // and sk_lookup tries that key for IPv4 too.
+    let key = ListenerKey {
+        netns_cookie,
+        family,
+        port: u32::from(inbound_port),
+    };
+    let map = core::ptr::from_ref(&SIDESTEP_LSTN).cast_mut().cast();
+    let key_ptr = core::ptr::from_ref(&key).cast();
+    // SAFETY: the map pointer is the BTF map definition the loader relocates (what aya's own
+    // wrappers pass), the key lives on this stack. A sockhash lookup returns a referenced
+    // socket, released at once.
+    let present = unsafe {
+        let sk = bpf_map_lookup_elem(map, key_ptr);
+        if !sk.is_null() {
+            bpf_sk_release(sk);
+        }
+        !sk.is_null()
+    };
+    if !present {
+        // SAFETY: as above; the value is a referenced full listening socket, which the kernel
+        // checks again (sk_fullsock, state) under its lock. A failure leaves the map as it was:
+        // the SYN is then refused as before.
+        let _ = unsafe { bpf_map_update_elem(map, key_ptr, listener.cast(), 0) };
+    }
 }
 
 #[inline(always)]

@@ -383,7 +383,7 @@ pub fn unenroll_attachment(
     let layout = PinLayout::new(pin_root);
     let pin = tc::pod_links_dir(&layout, netns_cookie).join(ifname);
     if pin.exists() {
-        tc::detach_link_pin(&pin);
+        tc::detach_link_pin(&layout, netns_cookie, &pin);
     }
     first.into_result().map_err(Into::into)
 }
