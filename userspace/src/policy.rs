@@ -412,10 +412,13 @@ impl Policy {
             }
             PortSet::Only(_) => {}
         }
+        // istio-iptables installs the hairpin (the proxy calling its own pod goes to the
+        // inbound listener) whether or not any inbound port is captured: with
+        // `includeInboundPorts: ""` the validation init container still dials through it.
+        if self.hairpin {
+            f |= flags::HAIRPIN;
+        }
         if f & flags::INBOUND != 0 {
-            if self.hairpin {
-                f |= flags::HAIRPIN;
-            }
             ports.extend(
                 self.effective_inbound_excludes()
                     .into_iter()

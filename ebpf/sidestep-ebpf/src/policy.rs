@@ -218,9 +218,13 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     {
         return Verdict::PASS;
     }
-    // `-o lo`: the destination is on the pod itself.
-    let local_dst =
-        is_loopback(&c.dst) || is_unspecified(&c.dst) || is_pod_address(c.netns_cookie, &c.dst);
+    // `-o lo`: the destination is on the pod itself. ::6, the IPv6 inbound passthrough source
+    // enrolment adds to lo, is routed over lo although it is not loopback; Istio's validation
+    // dials it ([::6]:15002) and needs the hairpin.
+    let local_dst = is_loopback(&c.dst)
+        || is_unspecified(&c.dst)
+        || (!is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst))
+        || is_pod_address(c.netns_cookie, &c.dst);
     // `-o <nic> -j RETURN` for each excluded interface, inserted ahead of ISTIO_OUTPUT. Only
     // passes follow, so testing it after rule 1 changes no outcome. A destination on the pod
     // leaves through lo, never through an excluded interface.
@@ -230,7 +234,12 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
     // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
     // before netfilter sees it, so it is not captured either.
-    if (local_dst && is_passthrough_source(&c.bound_src))
+    // An unbound IPv6 socket calling ::6 gets ::6 as its source too (RFC 6724 rule 1, same
+    // address first), which this rule matches; 127.0.0.6 gets lo's 127.0.0.1.
+    let v6_passthrough_dst = !is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst);
+    if (local_dst
+        && (is_passthrough_source(&c.bound_src)
+            || (v6_passthrough_dst && is_unspecified(&c.bound_src))))
         || (!local_dst && is_v4_mapped(&c.bound_src) && is_loopback(&c.bound_src))
     {
         return Verdict::PASS;

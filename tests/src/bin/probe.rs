@@ -25,6 +25,9 @@
 //! probe origdst-echo ADDR[,ADDR...]  answer each connection with its SO_ORIGINAL_DST, then close
 //! probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D]
 //!     N short connections to ADDR's port + i % P, each checked against an origdst-echo answer
+//! probe istio-validate [--v6] [--timeout-ms N]    Istio's istio-validation (exit 0 or 126)
+//! probe linkerd-validate LISTEN CONNECT [--timeout-ms N]
+//!                                    Linkerd's linkerd-network-validator (exit 0 or 95)
 //! ```
 
 // A binary's modules would be found beside it in src/bin/ and be taken for binaries themselves,
@@ -37,6 +40,8 @@ mod craft;
 mod redirect;
 #[path = "probe/sock.rs"]
 mod sock;
+#[path = "probe/validate.rs"]
+mod validate;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -155,6 +160,23 @@ fn main() {
                 Duration::from_millis(num("--deadline-ms", 30_000)),
             )
         }
+        Some("istio-validate") => validate::istio(
+            flag("--v6"),
+            Duration::from_millis(
+                option("--timeout-ms")
+                    .map(|ms| ms.parse().expect("probe: --timeout-ms takes milliseconds"))
+                    .unwrap_or(5000),
+            ),
+        ),
+        Some("linkerd-validate") => validate::linkerd(
+            addr(1),
+            addr(2),
+            Duration::from_millis(
+                option("--timeout-ms")
+                    .map(|ms| ms.parse().expect("probe: --timeout-ms takes milliseconds"))
+                    .unwrap_or(10_000),
+            ),
+        ),
         _ => {
             eprintln!(
                 "usage: probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N] | \

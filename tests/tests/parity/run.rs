@@ -132,6 +132,7 @@ impl Topology {
             Dst::SelfIp => (self.s.ipv4, Some(self.s6)),
             Dst::Lo1 => (Ipv4Addr::LOCALHOST, Some(Ipv6Addr::LOCALHOST)),
             Dst::Lo2 => (Ipv4Addr::new(127, 0, 0, 2), None),
+            Dst::Passthrough => (Ipv4Addr::new(127, 0, 0, 6), Some("::6".parse()?)),
             Dst::Peer => (self.p.ipv4, Some(self.p6)),
             Dst::Node => (self.gw4, Some(self.gw6)),
             Dst::SelfNet1 => (x.n4, Some(x.n6)),

@@ -52,6 +52,8 @@ pub(super) enum Dst {
     Lo1,
     /// 127.0.0.2 (IPv4 only).
     Lo2,
+    /// 127.0.0.6 / ::6, the inbound passthrough source (on lo; Istio's validation dials it).
+    Passthrough,
     /// The other pod's IP.
     Peer,
     /// The node's bridge address.
@@ -141,9 +143,6 @@ pub(super) enum Intended {
     /// sidestep never captures an excluded inbound port, even one includeInboundPorts lists
     /// (ARCHITECTURE.md); istio ignores excludeInboundPorts when includeInboundPorts is a list.
     ExcludeWins,
-    /// With includeInboundPorts "" sidestep drops the hairpin too (policy unit test
-    /// `empty_includes_turn_capture_off`); istio keeps the hairpin rule.
-    HairpinOff,
     /// A connect to a link-local address is captured by both, but under Istio its SYN is lost:
     /// the scope binds the socket to eth0 before nat OUTPUT REDIRECTs it to ::1, which eth0
     /// cannot reach. connect6 rewrites before the scope binds anything, so the redirect
@@ -164,7 +163,6 @@ impl Intended {
             Intended::V6Hairpin => "IPv6 hairpin captured (istio: no ip6tables rules)",
             Intended::V6Inbound => "IPv6 inbound captured (istio: no ip6tables rules)",
             Intended::ExcludeWins => "excluded inbound port never captured, even if listed",
-            Intended::HairpinOff => "no hairpin when inbound capture is off",
             Intended::LinkLocalRedirect => {
                 "link-local dst redirected (istio: the SYN REDIRECTed to ::1 on an eth0-bound socket is lost); no scope id"
             }
@@ -251,7 +249,7 @@ pub(super) const TABLE: &[Row] = {
     use Src::{App, AppBound, AppDev, Net1Pod, OtherPod, Proxy, ProxyBound, ProxyGid};
     use Intended::*;
     use Set::*;
-    use Dst::{Lo1, Lo2, Net1Peer, Peer, PeerLl, SelfIp, SelfLate, SelfLl, SelfNet1, SelfNet1Ll};
+    use Dst::{Lo1, Lo2, Net1Peer, Passthrough, Peer, PeerLl, SelfIp, SelfLate, SelfLl, SelfNet1, SelfNet1Ll};
     &[
         // Outbound from the app: captured, the default excluded port, the node, port 53 without DNS.
         row(Defaults, App, Peer, 80, ALL3),
@@ -272,6 +270,10 @@ pub(super) const TABLE: &[Row] = {
         row(Defaults, App, Lo2, 8080, V4_ONLY),
         row(Defaults, Proxy, Lo1, 8080, BOTH),
         row(Defaults, Proxy, Lo2, 8080, V4_ONLY),
+        // istio-validation's probe: the proxy dials the passthrough address and must land on
+        // the inbound listener; the app's call to it stays on lo.
+        row(Defaults, Proxy, Passthrough, 8080, BOTH),
+        row(Defaults, App, Passthrough, 8080, BOTH),
         // Sockets bound to the inbound passthrough address first.
         row(Defaults, ProxyBound, SelfIp, 8080, BOTH),
         row(Defaults, AppBound, SelfIp, 8080, BOTH),
@@ -347,7 +349,9 @@ pub(super) const TABLE: &[Row] = {
 
         // No inbound capture.
         row(InboundOff, OtherPod, SelfIp, 8080, BOTH),
-        mark(row(InboundOff, Proxy, SelfIp, 8080, BOTH), HairpinOff),
+        // The hairpin stays without inbound capture, as Istio's does (istio-validation needs it).
+        row(InboundOff, Proxy, SelfIp, 8080, BOTH),
+        row(InboundOff, Proxy, Passthrough, 8080, BOTH),
         row(InboundOff, App, Peer, 80, V4_ONLY),
 
         // DNS capture (all port-53 TCP from non-proxy owners, wherever it goes).

@@ -75,7 +75,7 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
         Intended::BoundDeviceV6 => Outcome::failed(libc::ENETUNREACH.into()),
         // Not redirected: netfilter's ENOENT, except SOL_IPV6 on an IPv4 socket, which the kernel
         // refuses itself.
-        Intended::ExcludeWins | Intended::HairpinOff => Outcome {
+        Intended::ExcludeWins => Outcome {
             accepted: format!("S:{port}"),
             local: dst.clone(),
             orig_v4: "ENOENT".into(),
