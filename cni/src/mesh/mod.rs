@@ -242,11 +242,30 @@ pub fn before_pod_read(cfg: &PluginConfig, args: &CniArgs) -> PreDecision {
 
 /// The mesh's rules and annotations on a pod that was read.
 pub fn decide_pod(mesh: Mesh, pod: &PodInfo) -> Result<Decision, AnnotationError> {
-    match mesh {
+    let mut decision = match mesh {
         Mesh::Istio => istio::decide(pod),
         Mesh::Linkerd => linkerd::decide(pod),
         Mesh::Kuma => kuma::decide(pod),
+    }?;
+    if let Decision::Enrol(e) = &mut decision {
+        apply_sidestep_annotations(&mut e.policy, pod)?;
     }
+    Ok(decision)
+}
+
+/// Opts a pod's app <-> proxy loopback traffic into sk_msg (socket to socket), whatever the mesh.
+pub const SK_MSG_ANNOTATION: &str = "sidestep.io/sk-msg";
+
+/// sidestep's own annotations, which every mesh's pods may carry.
+fn apply_sidestep_annotations(p: &mut Policy, pod: &PodInfo) -> Result<(), AnnotationError> {
+    if let Some(v) = pod.annotation(SK_MSG_ANNOTATION) {
+        p.sk_msg = match v.trim() {
+            "true" => true,
+            "false" => false,
+            _ => return Err(bad(SK_MSG_ANNOTATION, v, "expected \"true\" or \"false\"")),
+        };
+    }
+    Ok(())
 }
 
 fn enrol(policy: Policy, hairpin: bool) -> Decision {

@@ -426,3 +426,21 @@ fn dns_capture_from_proxy_env() {
     );
     assert!(enrolled(decide_pod(Mesh::Istio, &ann).unwrap()).dns_capture);
 }
+
+#[test]
+fn sk_msg_annotation_opts_a_pod_in_for_every_mesh() {
+    assert!(!istio_with("traffic.sidecar.istio.io/excludeInboundPorts", "").unwrap().sk_msg);
+    assert!(istio_with(SK_MSG_ANNOTATION, "true").unwrap().sk_msg);
+    assert!(!istio_with(SK_MSG_ANNOTATION, "false").unwrap().sk_msg);
+    let e = istio_with(SK_MSG_ANNOTATION, "yes").unwrap_err();
+    assert!(e.key == SK_MSG_ANNOTATION && e.value == "yes", "{e}");
+    let linkerd = PodInfo::from_annotations(
+        "web-1",
+        "shop",
+        BTreeMap::from([
+            ("linkerd.io/proxy-version".to_owned(), "edge-26.8.1".to_owned()),
+            (SK_MSG_ANNOTATION.to_owned(), "true".to_owned()),
+        ]),
+    );
+    assert!(enrolled(decide_pod(Mesh::Linkerd, &linkerd).unwrap()).sk_msg);
+}

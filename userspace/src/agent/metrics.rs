@@ -89,7 +89,7 @@ type PodFamily = Family<PodLabels, Counter>;
 
 type Field = fn(&PodCounters) -> u64;
 
-const POD_COUNTERS: [(&str, &str, Field); 7] = [
+const POD_COUNTERS: [(&str, &str, Field); 8] = [
     (
         "sidestep_pod_redirected_outbound",
         "Outbound connections sent to the proxy",
@@ -124,6 +124,11 @@ const POD_COUNTERS: [(&str, &str, Field); 7] = [
         "sidestep_pod_orig_dst_misses",
         "SO_ORIGINAL_DST asked for an unredirected socket",
         |c| c.orig_dst_misses,
+    ),
+    (
+        "sidestep_pod_sk_msg_redirects",
+        "Messages sk_msg handed from socket to socket (pods with sidestep.io/sk-msg)",
+        |c| c.sk_msg_redirects,
     ),
 ];
 
@@ -363,4 +368,47 @@ pub fn render(
     let mut out = String::new();
     let _ = encode(&mut out, &reg);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_pod_counter_is_exported_with_the_pods_labels() {
+        let counters = PodCounters {
+            redirected_outbound: 1,
+            sk_msg_redirects: 7,
+            ..PodCounters::default()
+        };
+        let labels = PodLabels {
+            namespace: "shop".into(),
+            pod: "web-1".into(),
+            netns_cookie: "42".into(),
+        };
+        let data = DataPath {
+            pods: vec![(labels, counters)],
+            ..DataPath::default()
+        };
+        let dir = std::env::temp_dir();
+        let out = render(
+            &dir,
+            true,
+            &Report::default(),
+            &AgentCounters::default(),
+            &data,
+            1,
+        );
+        for (name, _, _) in POD_COUNTERS {
+            assert!(out.contains(&format!("# TYPE {name} counter")), "{name}:\n{out}");
+        }
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("sidestep_pod_sk_msg_redirects_total{"))
+            .expect("sk_msg series");
+        assert!(
+            line.contains("pod=\"web-1\"") && line.ends_with(" 7"),
+            "{line}"
+        );
+    }
 }
