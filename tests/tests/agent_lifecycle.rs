@@ -247,3 +247,100 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }
+
+/// The agent watches its node's pods: a pod that appears uncaptured while the agent runs (its
+/// netns made without sidestep in the chain, as on a node where the chain entry came late) is
+/// repaired within seconds of the API listing it, with a reconcile interval far longer than
+/// that, so only the watch can explain it. After the API forgets its history (410 Gone on the
+/// next watch) the agent lists again and keeps repairing.
+#[test]
+fn pods_are_repaired_from_the_watch_within_seconds() -> Result<()> {
+    if skip_unless_root("pods_are_repaired_from_the_watch_within_seconds") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-watch")?;
+    let d = Dirs::new(&env)?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let api = PodApi::start(env.tmp_dir(), Vec::new())?;
+    d.write_primary("10-test.conflist")?;
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend([
+        "--reconcile-interval".into(),
+        "10m".into(),
+        "--node-name".into(),
+        NODE.into(),
+        "--api-kubeconfig".into(),
+        api.kubeconfig.display().to_string(),
+        "--repair".into(),
+        "true".into(),
+    ]);
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    agent.wait_log(
+        "pod watch: listed this node's pods",
+        Duration::from_secs(10),
+    )?;
+
+    let repaired_within = |name: &str,
+                           api_pod_json: &mut dyn FnMut(&sidestep_tests::Pod) -> Value|
+     -> Result<Duration> {
+        let pod = node.add_pod(name)?;
+        let cookie = pod.netns_cookie()?;
+        let start = std::time::Instant::now();
+        api.add(api_pod_json(&pod));
+        wait_until(
+            &format!("repair of {name}"),
+            Duration::from_secs(10),
+            || Ok(agent_support::enrolled_cookies(&env)?.contains(&cookie)),
+        )?;
+        Ok(start.elapsed())
+    };
+    let first = repaired_within("first", &mut |p| {
+        api_pod(NODE, "shop", "first", &[p.ipv4.to_string()], true)
+    })
+    .with_context(|| agent.log())?;
+    ensure!(
+        first <= Duration::from_secs(2),
+        "repaired {first:?} after the API listed it"
+    );
+    let watches = |api: &PodApi| {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("/api/v1/pods?") && r.contains("watch=true"))
+            .count()
+    };
+    ensure!(watches(&api) >= 1, "no watch: {:?}", api.requests());
+
+    // History gone: the next watch is answered 410; the watcher lists again, then watches.
+    let lists = |api: &PodApi| {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("/api/v1/pods?") && !r.contains("watch=true"))
+            .count()
+    };
+    let lists_before = lists(&api);
+    api.compact_and_end_watches();
+    wait_until("a relist after 410", Duration::from_secs(15), || {
+        Ok(lists(&api) > lists_before)
+    })
+    .with_context(|| format!("{:?}\n{}", api.requests(), agent.log()))?;
+    let second = repaired_within("second", &mut |p| {
+        api_pod(NODE, "shop", "second", &[p.ipv4.to_string()], true)
+    })
+    .with_context(|| agent.log())?;
+    ensure!(
+        second <= Duration::from_secs(2),
+        "after the relist: repaired {second:?} after the API listed it"
+    );
+    // A pod on another node never reaches this agent's watch.
+    api.add(api_pod(
+        "node-2",
+        "shop",
+        "elsewhere",
+        &["10.99.0.1".into()],
+        true,
+    ));
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}

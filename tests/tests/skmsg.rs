@@ -159,6 +159,9 @@ fn sk_msg_annotation_opts_a_pod_in_through_the_chain() -> Result<()> {
     };
     let fast_n = redirects(&fast)?;
     ensure!(fast_n >= 40, "only {fast_n} messages went socket to socket");
-    ensure!(redirects(&plain)? == 0, "sk_msg ran for a pod without the annotation");
+    ensure!(
+        redirects(&plain)? == 0,
+        "sk_msg ran for a pod without the annotation"
+    );
     Ok(())
 }

@@ -121,7 +121,10 @@ fn istio_validation_passes_where_istios_rules_pass() -> Result<()> {
         if case.name == "default" {
             // Without any capture the validator must fail, with the code repair looks for.
             let (code, _) = istio_validate(&env, &twin, false)?;
-            ensure!(code == 126, "an uncaptured pod passed istio-validation: {code}");
+            ensure!(
+                code == 126,
+                "an uncaptured pod passed istio-validation: {code}"
+            );
         }
         let mut oracle = Oracle::new(&twin);
         oracle.apply(&case.oracle)?;
@@ -175,12 +178,7 @@ fn linkerd_network_validator_passes() -> Result<()> {
     let out = pod.run(
         &env,
         LINKERD_VALIDATOR_UID,
-        &[
-            probe(),
-            "linkerd-validate",
-            "0.0.0.0:4140",
-            "1.1.1.1:20001",
-        ],
+        &[probe(), "linkerd-validate", "0.0.0.0:4140", "1.1.1.1:20001"],
     )?;
     ensure!(
         out.status.code() == Some(0),

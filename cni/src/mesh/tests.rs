@@ -429,7 +429,11 @@ fn dns_capture_from_proxy_env() {
 
 #[test]
 fn sk_msg_annotation_opts_a_pod_in_for_every_mesh() {
-    assert!(!istio_with("traffic.sidecar.istio.io/excludeInboundPorts", "").unwrap().sk_msg);
+    assert!(
+        !istio_with("traffic.sidecar.istio.io/excludeInboundPorts", "")
+            .unwrap()
+            .sk_msg
+    );
     assert!(istio_with(SK_MSG_ANNOTATION, "true").unwrap().sk_msg);
     assert!(!istio_with(SK_MSG_ANNOTATION, "false").unwrap().sk_msg);
     let e = istio_with(SK_MSG_ANNOTATION, "yes").unwrap_err();
@@ -438,7 +442,10 @@ fn sk_msg_annotation_opts_a_pod_in_for_every_mesh() {
         "web-1",
         "shop",
         BTreeMap::from([
-            ("linkerd.io/proxy-version".to_owned(), "edge-26.8.1".to_owned()),
+            (
+                "linkerd.io/proxy-version".to_owned(),
+                "edge-26.8.1".to_owned(),
+            ),
             (SK_MSG_ANNOTATION.to_owned(), "true".to_owned()),
         ]),
     );

@@ -4,6 +4,10 @@
 
 #![allow(dead_code)]
 
+mod podapi;
+#[allow(unused_imports)]
+pub use podapi::PodApi;
+
 use std::{
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpListener, TcpStream},
@@ -369,125 +373,6 @@ pub fn thread_caps(pid: u32) -> Result<Vec<[u64; 5]>> {
         ]);
     }
     Ok(out)
-}
-
-/// A local HTTP server that answers as the API server does for the pods it holds: the node's
-/// pod list (`GET /api/v1/pods?fieldSelector=spec.nodeName=...`) and single pods
-/// (`GET /api/v1/namespaces/NS/pods/NAME`), with real Pod JSON. Stops when dropped.
-pub struct PodApi {
-    pub kubeconfig: PathBuf,
-    pub requests: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl PodApi {
-    pub fn start(dir: &Path, pods: Vec<Value>) -> Result<Self> {
-        use std::{
-            io::{BufRead, BufReader},
-            sync::{Arc, Mutex, atomic::AtomicBool, atomic::Ordering},
-        };
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let port = listener.local_addr()?.port();
-        listener.set_nonblocking(true)?;
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (log, done) = (requests.clone(), stop.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                let Ok((stream, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                };
-                let _ = stream.set_nonblocking(false);
-                let Ok(clone) = stream.try_clone() else {
-                    continue;
-                };
-                let mut reader = BufReader::new(clone);
-                let mut first = String::new();
-                let _ = reader.read_line(&mut first);
-                loop {
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                        break;
-                    }
-                }
-                let path = first.split_whitespace().nth(1).unwrap_or("").to_owned();
-                log.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(path.clone());
-                let (status, body) = answer(&pods, &path);
-                let body = body.to_string();
-                let mut s = stream;
-                let _ = write!(
-                    s,
-                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-            }
-        });
-        let kubeconfig = dir.join("api-kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\ncurrent-context: t\n\
-                 clusters: [{{name: t, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n\
-                 contexts: [{{name: t, context: {{cluster: t, user: t}}}}]\n\
-                 users: [{{name: t, user: {{token: sidestep-test-token}}}}]\n"
-            ),
-        )?;
-        Ok(Self {
-            kubeconfig,
-            requests,
-            stop,
-        })
-    }
-
-    pub fn requests(&self) -> Vec<String> {
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-}
-
-impl Drop for PodApi {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-fn answer(pods: &[Value], path: &str) -> (u16, Value) {
-    let (path, query) = path.split_once('?').unwrap_or((path, ""));
-    if path == "/api/v1/pods" {
-        let q = query.replace("%3D", "=").replace("%2F", "/");
-        let node = q
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("fieldSelector=spec.nodeName="))
-            .unwrap_or("");
-        let items: Vec<Value> = pods
-            .iter()
-            .filter(|p| p["spec"]["nodeName"] == node)
-            .cloned()
-            .collect();
-        return (
-            200,
-            json!({"kind": "PodList", "apiVersion": "v1",
-                   "metadata": {"resourceVersion": "1"}, "items": items}),
-        );
-    }
-    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    if let ["api", "v1", "namespaces", ns, "pods", name] = parts.as_slice()
-        && let Some(p) = pods
-            .iter()
-            .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
-    {
-        return (200, p.clone());
-    }
-    (
-        404,
-        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-               "reason": "NotFound", "code": 404, "message": format!("{path} not found")}),
-    )
 }
 
 /// A Pod object as the API serves it: on `node`, with `ips`; with Istio's injection (its

@@ -400,7 +400,10 @@ mod tests {
             1,
         );
         for (name, _, _) in POD_COUNTERS {
-            assert!(out.contains(&format!("# TYPE {name} counter")), "{name}:\n{out}");
+            assert!(
+                out.contains(&format!("# TYPE {name} counter")),
+                "{name}:\n{out}"
+            );
         }
         let line = out
             .lines()

@@ -19,6 +19,7 @@ pub mod http;
 pub mod install;
 pub mod metrics;
 pub mod pods;
+pub mod podwatch;
 pub mod reconcile;
 pub mod repair;
 pub mod settings;
@@ -71,6 +72,8 @@ pub struct Agent {
     /// What the load at start-up created empty: the first reconcile enrols recorded pods again
     /// accordingly (then it is cleared).
     reenrol: Mutex<reconcile::Recreated>,
+    /// The node's pods from the API's watch (in a cluster).
+    pub pod_watch: podwatch::PodWatch,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -189,6 +192,7 @@ impl Agent {
             // Records that outlived their pins (a reboot keeps /var/lib, not bpffs) name pods
             // whose netns may still run.
             reenrol: Mutex::new(recreated),
+            pod_watch: podwatch::PodWatch::default(),
         };
         agent.install_binary()?;
         sys::failpoint("agent:after-install");
@@ -394,8 +398,14 @@ impl Agent {
             Ok(Some((_, r))) => r.or(at_start),
             _ => at_start,
         };
-        let mut report =
-            reconcile::reconcile(&self.settings, &self.entry, network.as_ref(), recreated);
+        let watched = self.pod_watch.pods();
+        let mut report = reconcile::reconcile(
+            &self.settings,
+            &self.entry,
+            network.as_ref(),
+            recreated,
+            watched,
+        );
         match reloaded {
             Ok(None) => {}
             Ok(Some((why, _))) => {

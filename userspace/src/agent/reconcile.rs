@@ -402,6 +402,7 @@ pub fn reconcile(
     entry: &Value,
     network: Option<&Network>,
     recreated: Recreated,
+    watched: Option<Vec<k8s_openapi::api::core::v1::Pod>>,
 ) -> Report {
     let scan = pods::Scan {
         netns_dirs: &s.netns_dirs,
@@ -543,7 +544,7 @@ pub fn reconcile(
         .filter(|l| !enrolled.contains(&l.cookie))
         .collect();
     if s.repair {
-        super::repair::repair_all(s, entry, network, &mut report);
+        super::repair::repair_all(s, entry, network, &mut report, watched);
     }
     for l in &report.unenrolled {
         tracing::warn!(

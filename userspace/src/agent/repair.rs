@@ -205,11 +205,14 @@ pub fn repair_all(
     entry: &Value,
     network: Option<&Network>,
     report: &mut reconcile::Report,
+    watched: Option<Vec<Pod>>,
 ) {
     let live: BTreeSet<u64> = report.unenrolled.iter().map(|l| l.cookie).collect();
     skipped().retain(|c, _| live.contains(c));
     let kubeconfig = api_kubeconfig(s);
-    let mut pods: Option<Result<BTreeMap<IpAddr, NodePod>, String>> = None;
+    // The watch's pods when it has listed them; a list of our own before that.
+    let mut pods: Option<Result<BTreeMap<IpAddr, NodePod>, String>> =
+        watched.map(|w| Ok(by_address(&w)));
     for l in std::mem::take(&mut report.unenrolled) {
         if let Some(why) = skipped().get(&l.cookie).cloned() {
             report.skipped.push((l, why));

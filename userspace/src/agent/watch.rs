@@ -115,7 +115,9 @@ async fn records_loop(agent: Arc<Agent>) {
     }
 }
 
-async fn reconcile_loop(agent: Arc<Agent>) {
+/// Reconciles every `reconcile_interval`, and soon after the pod watch reports a change: a pod
+/// that appears uncaptured is repaired within about a second of the API listing it.
+async fn reconcile_loop(agent: Arc<Agent>, mut pods_changed: mpsc::Receiver<()>) {
     // Repair needs the network the entry is in; give the first insertion a moment.
     for _ in 0..50 {
         if agent.network().is_some() {
@@ -125,7 +127,14 @@ async fn reconcile_loop(agent: Arc<Agent>) {
     }
     loop {
         blocking(&agent, |a| a.reconcile()).await;
-        sleep(agent.settings.reconcile_interval).await;
+        tokio::select! {
+            _ = sleep(agent.settings.reconcile_interval) => {}
+            Some(()) = pods_changed.recv() => {
+                // A burst of events (a rollout) makes one reconcile.
+                sleep(Duration::from_millis(100)).await;
+                while pods_changed.try_recv().is_ok() {}
+            }
+        }
     }
 }
 
@@ -156,7 +165,9 @@ pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
     tokio::spawn(cni_loop(agent.clone(), cni_rx));
     tokio::spawn(kubeconfig_loop(agent.clone(), sa_rx));
     tokio::spawn(records_loop(agent.clone()));
-    tokio::spawn(reconcile_loop(agent.clone()));
+    let (pods_tx, pods_rx) = mpsc::channel(1);
+    tokio::spawn(super::podwatch::run(agent.clone(), pods_tx));
+    tokio::spawn(reconcile_loop(agent.clone(), pods_rx));
 
     let sig = tokio::select! {
         _ = term.recv() => "SIGTERM",

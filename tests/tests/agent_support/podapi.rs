@@ -1,0 +1,307 @@
+//! A local HTTP server that answers as kube-apiserver does for the pods it holds, for the agent's
+//! list, get and watch: `GET /api/v1/pods?fieldSelector=spec.nodeName=N` (a PodList with the
+//! current resourceVersion), `?watch=true&resourceVersion=R` (chunked JSON lines, one event per
+//! change after R: ADDED / MODIFIED / DELETED, BOOKMARK lines when asked for, and an ERROR event
+//! with a 410 Status when R is older than what it keeps, as after etcd compaction), and
+//! `GET /api/v1/namespaces/NS/pods/NAME`. Pods can be added and deleted while clients watch.
+//! Stops when dropped.
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    sync::{Arc, Condvar, Mutex, atomic::AtomicBool, atomic::Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+use serde_json::{Value, json};
+
+#[derive(Default)]
+struct State {
+    pods: Vec<Value>,
+    /// (resourceVersion, event type, object), oldest first.
+    events: Vec<(u64, &'static str, Value)>,
+    rv: u64,
+    /// Watches from a resourceVersion below this get 410 Gone.
+    oldest: u64,
+    /// Bumped to end every open watch (as an API server restart or a timeout would).
+    generation: u64,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    stop: AtomicBool,
+    requests: Mutex<Vec<String>>,
+}
+
+pub struct PodApi {
+    pub kubeconfig: PathBuf,
+    shared: Arc<Shared>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl PodApi {
+    pub fn start(dir: &Path, pods: Vec<Value>) -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        listener.set_nonblocking(true)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                rv: 1,
+                oldest: 1,
+                ..State::default()
+            }),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            requests: Mutex::new(Vec::new()),
+        });
+        let api = Self {
+            kubeconfig: dir.join("api-kubeconfig"),
+            shared: shared.clone(),
+        };
+        for p in pods {
+            api.add(p);
+        }
+        std::thread::spawn(move || {
+            while !shared.stop.load(Ordering::Relaxed) {
+                let Ok((stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let shared = shared.clone();
+                std::thread::spawn(move || serve(&shared, stream));
+            }
+        });
+        std::fs::write(
+            &api.kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: t\n\
+                 clusters: [{{name: t, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n\
+                 contexts: [{{name: t, context: {{cluster: t, user: t}}}}]\n\
+                 users: [{{name: t, user: {{token: sidestep-test-token}}}}]\n"
+            ),
+        )?;
+        Ok(api)
+    }
+
+    fn change(&self, kind: &'static str, mut pod: Value) {
+        let mut st = lock(&self.shared.state);
+        st.rv += 1;
+        let rv = st.rv;
+        pod["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let same = |p: &Value| {
+            p["metadata"]["namespace"] == pod["metadata"]["namespace"]
+                && p["metadata"]["name"] == pod["metadata"]["name"]
+        };
+        let existed = st.pods.iter().any(same);
+        st.pods.retain(|p| !same(p));
+        let kind = match kind {
+            "DELETED" => kind,
+            _ if existed => "MODIFIED",
+            _ => "ADDED",
+        };
+        if kind != "DELETED" {
+            st.pods.push(pod.clone());
+        }
+        st.events.push((rv, kind, pod));
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    /// Adds (or replaces) a pod; open watches see ADDED (or MODIFIED).
+    pub fn add(&self, pod: Value) {
+        self.change("ADDED", pod);
+    }
+
+    /// Deletes a pod; open watches see DELETED.
+    pub fn delete(&self, pod: &Value) {
+        self.change("DELETED", pod.clone());
+    }
+
+    /// Ends every open watch, lets history move on (a change the clients never saw) and forgets
+    /// it (etcd compaction): a client that watches again from its last resourceVersion gets 410
+    /// Gone and must list again.
+    pub fn compact_and_end_watches(&self) {
+        let mut st = lock(&self.shared.state);
+        st.rv += 1;
+        st.oldest = st.rv + 1;
+        st.events.clear();
+        st.generation += 1;
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    pub fn requests(&self) -> Vec<String> {
+        lock(&self.shared.requests).clone()
+    }
+}
+
+impl Drop for PodApi {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.changed.notify_all();
+    }
+}
+
+fn query_value<'a>(query: &'a str, key: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+fn serve(shared: &Shared, stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(clone);
+    let mut first = String::new();
+    let _ = reader.read_line(&mut first);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+            break;
+        }
+    }
+    let target = first.split_whitespace().nth(1).unwrap_or("").to_owned();
+    lock(&shared.requests).push(target.clone());
+    let (path, query) = target.split_once('?').unwrap_or((target.as_str(), ""));
+    let query = query.replace("%3D", "=").replace("%2F", "/");
+    let node = query_value(&query, "fieldSelector")
+        .and_then(|f| f.strip_prefix("spec.nodeName="))
+        .map(str::to_owned);
+    let on_node = |p: &Value| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n);
+    let mut out = stream;
+    if path == "/api/v1/pods" && matches!(query_value(&query, "watch"), Some("true" | "1")) {
+        let from: u64 = query_value(&query, "resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let bookmarks = query_value(&query, "allowWatchBookmarks") == Some("true");
+        let timeout = query_value(&query, "timeoutSeconds")
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::from_secs(300), Duration::from_secs);
+        watch(shared, out, from, bookmarks, timeout, &on_node);
+        return;
+    }
+    let (status, body) = if path == "/api/v1/pods" {
+        let st = lock(&shared.state);
+        let items: Vec<Value> = st.pods.iter().filter(|p| on_node(p)).cloned().collect();
+        (
+            200,
+            json!({"kind": "PodList", "apiVersion": "v1",
+                   "metadata": {"resourceVersion": st.rv.to_string()}, "items": items}),
+        )
+    } else {
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let st = lock(&shared.state);
+        match parts.as_slice() {
+            ["api", "v1", "namespaces", ns, "pods", name] => st
+                .pods
+                .iter()
+                .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
+                .map_or_else(|| not_found(path), |p| (200, p.clone())),
+            _ => not_found(path),
+        }
+    };
+    let body = body.to_string();
+    let _ = write!(
+        out,
+        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+fn not_found(path: &str) -> (u16, Value) {
+    (
+        404,
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+               "reason": "NotFound", "code": 404, "message": format!("{path} not found")}),
+    )
+}
+
+fn chunk(out: &mut TcpStream, line: &Value) -> std::io::Result<()> {
+    let text = format!("{line}\n");
+    write!(out, "{:x}\r\n{text}\r\n", text.len())?;
+    out.flush()
+}
+
+fn watch(
+    shared: &Shared,
+    mut out: TcpStream,
+    from: u64,
+    bookmarks: bool,
+    timeout: Duration,
+    on_node: &dyn Fn(&Value) -> bool,
+) {
+    if write!(
+        out,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
+    .is_err()
+    {
+        return;
+    }
+    let deadline = Instant::now() + timeout;
+    let mut sent = from;
+    let mut st = lock(&shared.state);
+    let generation = st.generation;
+    if from < st.oldest.saturating_sub(1) {
+        let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+            "status": "Failure", "reason": "Expired", "code": 410,
+            "message": format!("too old resource version: {from} ({})", st.oldest)}});
+        drop(st);
+        let _ = chunk(&mut out, &gone);
+        let _ = write!(out, "0\r\n\r\n");
+        return;
+    }
+    let mut last_bookmark = Instant::now();
+    loop {
+        if shared.stop.load(Ordering::Relaxed)
+            || st.generation != generation
+            || Instant::now() >= deadline
+        {
+            drop(st);
+            lock(&shared.requests).push(format!("debug: watch from {from} ends at {sent}"));
+            break;
+        }
+        let fresh: Vec<(u64, &'static str, Value)> = st
+            .events
+            .iter()
+            .filter(|(rv, _, p)| *rv > sent && on_node(p))
+            .cloned()
+            .collect();
+        let now_rv = st.rv;
+        drop(st);
+        for (rv, kind, pod) in fresh {
+            if let Err(e) = chunk(&mut out, &json!({"type": kind, "object": pod})) {
+                lock(&shared.requests).push(format!("debug: watch from {from}: write: {e}"));
+                return;
+            }
+            sent = rv;
+        }
+        sent = sent.max(now_rv);
+        if bookmarks && last_bookmark.elapsed() >= Duration::from_secs(1) {
+            let mark = json!({"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1",
+                "metadata": {"resourceVersion": sent.to_string()}}});
+            if let Err(e) = chunk(&mut out, &mark) {
+                lock(&shared.requests).push(format!("debug: watch from {from}: bookmark: {e}"));
+                return;
+            }
+            last_bookmark = Instant::now();
+        }
+        st = lock(&shared.state);
+        if st.rv == now_rv {
+            st = shared
+                .changed
+                .wait_timeout(st, Duration::from_millis(500))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+    let _ = write!(out, "0\r\n\r\n");
+}

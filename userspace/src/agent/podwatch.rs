@@ -1,0 +1,143 @@
+//! The pods of this node, kept by a watch on the API (kube-runtime's watcher and reflector, with
+//! `spec.nodeName=<node>`), as istio-cni's repair controller keeps them. Every change pokes a
+//! reconcile, so a pod that appears uncaptured is repaired within a reconcile's time of the API
+//! saying so, not at the next poll; the periodic reconcile stays as the backstop. Repair reads
+//! the pods from here once the first list is in, and lists them itself before that.
+//!
+//! The watcher relists on its own when the API answers a watch with 410 Gone (a resourceVersion
+//! too old), and backs off on errors; both are logged.
+
+use std::{
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        WatchStreamExt as _,
+        reflector::{self, Store},
+        watcher,
+    },
+};
+use tokio::sync::mpsc;
+
+use super::Agent;
+
+/// What the watch has seen.
+#[derive(Default)]
+pub struct PodWatch {
+    store: OnceLock<Store<Pod>>,
+    /// The first list is in: the store is the node's pods.
+    synced: AtomicBool,
+    /// Watch events received (applies and deletes, the initial list's included).
+    pub events: AtomicU64,
+    /// The last watch error, for the log and /readyz.
+    last_error: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for PodWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodWatch")
+            .field("synced", &self.synced.load(Ordering::Relaxed))
+            .field("events", &self.events.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl PodWatch {
+    /// The node's pods, once the watch has listed them.
+    pub fn pods(&self) -> Option<Vec<Pod>> {
+        if !self.synced.load(Ordering::Acquire) {
+            return None;
+        }
+        let store = self.store.get()?;
+        Some(store.state().iter().map(|p| (**p).clone()).collect())
+    }
+
+    pub fn synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+}
+
+async fn client(kubeconfig: &std::path::Path) -> Result<Client, String> {
+    let shown = kubeconfig.display();
+    let kc = Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+    Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))
+}
+
+/// Watches the node's pods for as long as the agent runs, poking `poke` on every change, when
+/// repair is on and the node is named; without a kubeconfig yet it waits for one.
+pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
+    let node = agent.settings.node_name.clone();
+    // Repair is what reads the pods; without it the agent asks the API nothing.
+    if node.is_empty() || !agent.settings.repair {
+        return;
+    }
+    let kubeconfig = loop {
+        if let Some(kc) = super::repair::api_kubeconfig(&agent.settings) {
+            break kc;
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    };
+    let client = loop {
+        match client(&kubeconfig).await {
+            Ok(c) => break c,
+            Err(e) => {
+                tracing::warn!(error = %e, "pod watch: no API client yet");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    };
+    let (reader, writer) = reflector::store::<Pod>();
+    let watch = &agent.pod_watch;
+    let _ = watch.store.set(reader);
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let mut stream = watcher(Api::<Pod>::all(client), config)
+        .default_backoff()
+        .reflect(writer)
+        .boxed();
+    tracing::info!(node = %node, "watching this node's pods");
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::InitDone) => {
+                let first = !watch.synced.swap(true, Ordering::AcqRel);
+                if first {
+                    tracing::info!(
+                        pods = watch.store.get().map_or(0, |s| s.state().len()),
+                        "pod watch: listed this node's pods"
+                    );
+                }
+                let _ = poke.try_send(());
+            }
+            Ok(watcher::Event::Init) => {}
+            Ok(watcher::Event::InitApply(_)) => {
+                watch.events.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
+                watch.events.fetch_add(1, Ordering::Relaxed);
+                let _ = poke.try_send(());
+            }
+            Err(e) => {
+                let text = e.to_string();
+                let mut last = watch
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if last.as_deref() != Some(text.as_str()) {
+                    tracing::warn!(error = %text, "pod watch (it retries with backoff, and relists after 410 Gone)");
+                }
+                *last = Some(text);
+            }
+        }
+    }
+}
