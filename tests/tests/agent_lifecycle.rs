@@ -344,3 +344,73 @@ fn pods_are_repaired_from_the_watch_within_seconds() -> Result<()> {
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }
+
+/// The startup gate: with `readiness-taint`, the agent removes that taint (and only it) from its
+/// node once /readyz is true, never before.
+#[test]
+fn the_readiness_taint_goes_once_ready_and_only_then() -> Result<()> {
+    if skip_unless_root("the_readiness_taint_goes_once_ready_and_only_then") {
+        return Ok(());
+    }
+    const TAINT: &str = "sidestep.io/agent-not-ready";
+    let env = TestEnv::new("agent-taint")?;
+    let d = Dirs::new(&env)?;
+    let api = PodApi::start(env.tmp_dir(), Vec::new())?;
+    api.add_node(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+        "spec": {"taints": [
+            {"key": TAINT, "effect": "NoSchedule"},
+            {"key": "example.com/other", "value": "x", "effect": "NoSchedule"},
+        ]},
+    }));
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend([
+        "--node-name".into(),
+        NODE.into(),
+        "--api-kubeconfig".into(),
+        api.kubeconfig.display().to_string(),
+        "--readiness-taint".into(),
+        "true".into(),
+    ]);
+    // No primary CNI configuration yet: the agent runs, but is not ready.
+    let agent = Agent::start(&env, &args, port)?;
+    wait_until("the agent answers", Duration::from_secs(30), || {
+        Ok(agent.get("/healthz").is_ok_and(|(code, _)| code == 200))
+    })?;
+    std::thread::sleep(Duration::from_secs(3));
+    ensure!(
+        agent.get("/readyz")?.0 != 200,
+        "ready without a CNI configuration"
+    );
+    let taints = |api: &PodApi| -> Vec<String> {
+        api.node(NODE)
+            .and_then(|n| n["spec"]["taints"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|t| t["key"].as_str().map(str::to_owned))
+            .collect()
+    };
+    ensure!(
+        taints(&api).contains(&TAINT.to_owned()),
+        "the taint went before the agent was ready: {:?}",
+        api.requests()
+    );
+    ensure!(agent.metric("sidestep_readiness_taint_removed")? == 0.0);
+
+    d.write_primary("10-test.conflist")?;
+    let mut agent = agent;
+    agent.wait_ready(Duration::from_secs(30))?;
+    wait_until("the taint's removal", Duration::from_secs(10), || {
+        Ok(!taints(&api).contains(&TAINT.to_owned()))
+    })
+    .with_context(|| agent.log())?;
+    ensure!(
+        taints(&api) == ["example.com/other"],
+        "other taints must stay: {:?}",
+        taints(&api)
+    );
+    ensure!(agent.metric("sidestep_readiness_taint_removed")? == 1.0);
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}

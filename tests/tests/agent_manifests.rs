@@ -227,8 +227,15 @@ fn deploy_manifests_are_valid() -> Result<()> {
     );
 
     let role = &load(&bin, &dir.join("clusterrole.yaml"))?[0];
-    let rule = &role["rules"][0];
-    ensure!(rule["resources"] == serde_json::json!(["pods", "nodes"]));
-    ensure!(rule["verbs"] == serde_json::json!(["get", "list", "watch"]));
+    // Exactly what the code uses: pods read and watched; nodes read and patched (the taint).
+    ensure!(
+        role["rules"]
+            == serde_json::json!([
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+            ]),
+        "{}",
+        role["rules"]
+    );
     Ok(())
 }

@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 #[derive(Default)]
 struct State {
     pods: Vec<Value>,
+    nodes: Vec<Value>,
     /// (resourceVersion, event type, object), oldest first.
     events: Vec<(u64, &'static str, Value)>,
     rv: u64,
@@ -136,6 +137,23 @@ impl PodApi {
         self.shared.changed.notify_all();
     }
 
+    /// Adds a Node object (`metadata.name`, `spec.taints`).
+    pub fn add_node(&self, mut node: Value) {
+        let mut st = lock(&self.shared.state);
+        st.rv += 1;
+        node["metadata"]["resourceVersion"] = json!(st.rv.to_string());
+        st.nodes.push(node);
+    }
+
+    /// The node as the API holds it now.
+    pub fn node(&self, name: &str) -> Option<Value> {
+        lock(&self.shared.state)
+            .nodes
+            .iter()
+            .find(|n| n["metadata"]["name"] == name)
+            .cloned()
+    }
+
     pub fn requests(&self) -> Vec<String> {
         lock(&self.shared.requests).clone()
     }
@@ -162,14 +180,27 @@ fn serve(shared: &Shared, stream: TcpStream) {
     let mut reader = BufReader::new(clone);
     let mut first = String::new();
     let _ = reader.read_line(&mut first);
+    let mut length = 0usize;
     loop {
         let mut line = String::new();
         if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
             break;
         }
+        if let Some((name, value)) = line.split_once(':')
+            && name.eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().unwrap_or(0);
+        }
     }
+    let mut body = vec![0u8; length];
+    let _ = std::io::Read::read_exact(&mut reader, &mut body);
+    let method = first.split_whitespace().next().unwrap_or("").to_owned();
     let target = first.split_whitespace().nth(1).unwrap_or("").to_owned();
-    lock(&shared.requests).push(target.clone());
+    lock(&shared.requests).push(if method == "GET" {
+        target.clone()
+    } else {
+        format!("{method} {target} {}", String::from_utf8_lossy(&body))
+    });
     let (path, query) = target.split_once('?').unwrap_or((target.as_str(), ""));
     let query = query.replace("%3D", "=").replace("%2F", "/");
     let node = query_value(&query, "fieldSelector")
@@ -188,7 +219,9 @@ fn serve(shared: &Shared, stream: TcpStream) {
         watch(shared, out, from, bookmarks, timeout, &on_node);
         return;
     }
-    let (status, body) = if path == "/api/v1/pods" {
+    let (status, body) = if let Some(name) = path.strip_prefix("/api/v1/nodes/") {
+        node_request(shared, &method, name, &body)
+    } else if path == "/api/v1/pods" {
         let st = lock(&shared.state);
         let items: Vec<Value> = st.pods.iter().filter(|p| on_node(p)).cloned().collect();
         (
@@ -214,6 +247,40 @@ fn serve(shared: &Shared, stream: TcpStream) {
         "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
+}
+
+/// GET a node, or PATCH it with a JSON merge patch of `spec.taints` that carries the node's
+/// `metadata.resourceVersion` (409 Conflict when it is not the current one).
+fn node_request(shared: &Shared, method: &str, name: &str, body: &[u8]) -> (u16, Value) {
+    let mut st = lock(&shared.state);
+    st.rv += 1;
+    let rv = st.rv;
+    let Some(node) = st.nodes.iter_mut().find(|n| n["metadata"]["name"] == name) else {
+        return not_found(&format!("/api/v1/nodes/{name}"));
+    };
+    if method != "PATCH" {
+        return (200, node.clone());
+    }
+    let Ok(patch) = serde_json::from_slice::<Value>(body) else {
+        return (
+            400,
+            json!({"kind": "Status", "code": 400, "message": "bad patch"}),
+        );
+    };
+    if let Some(want) = patch["metadata"]["resourceVersion"].as_str()
+        && node["metadata"]["resourceVersion"] != want
+    {
+        return (
+            409,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                   "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
+        );
+    }
+    if let Some(taints) = patch["spec"].get("taints") {
+        node["spec"]["taints"] = taints.clone();
+    }
+    node["metadata"]["resourceVersion"] = json!(rv.to_string());
+    (200, node.clone())
 }
 
 fn not_found(path: &str) -> (u16, Value) {

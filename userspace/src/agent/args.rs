@@ -98,6 +98,11 @@ pub struct AgentArgs {
     /// Capacity of the pod map when the maps are first created.
     #[arg(long, env = "SIDESTEP_POD_CAPACITY")]
     pub pod_capacity: Option<String>,
+    /// Remove this taint from the agent's node once /readyz is true (`true`: the default key,
+    /// sidestep.io/agent-not-ready), as Istio's untaint controller does for
+    /// cni.istio.io/not-ready [default: off].
+    #[arg(long, env = "SIDESTEP_READINESS_TAINT")]
+    pub readiness_taint: Option<String>,
     /// The node's name (__NODE_NAME__), from the downward API.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
@@ -143,6 +148,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "log-format" => a.log_format.as_ref(),
         "pod-capacity" => a.pod_capacity.as_ref(),
         "node-name" => a.node_name.as_ref(),
+        "readiness-taint" => a.readiness_taint.as_ref(),
         "pod-namespace" => a.pod_namespace.as_ref(),
         "uninstall-requested" => a.uninstall_requested.as_ref(),
         "bpf-object" => a.bpf_object.as_ref(),
@@ -153,7 +159,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 31] = [
+pub(super) const KEYS: [&str; 32] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -182,6 +188,7 @@ pub(super) const KEYS: [&str; 31] = [
     "log-format",
     "pod-capacity",
     "node-name",
+    "readiness-taint",
     "pod-namespace",
     "uninstall-requested",
     "bpf-object",

@@ -53,6 +53,8 @@ pub struct AgentCounters {
     pub reconciles: AtomicU64,
     pub kubeconfig_writes: AtomicU64,
     pub binary_installs: AtomicU64,
+    /// The readiness taint is off this node (`readiness-taint`).
+    pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
     pub cni: CniTimings,
 }
@@ -273,6 +275,12 @@ pub fn render(
         "sidestep_cni_failopen_pods",
         "Pods the plugin let through uncaptured (FAIL_OPEN markers)",
         data.failopen as i64,
+    );
+    gauge(
+        &mut reg,
+        "sidestep_readiness_taint_removed",
+        "1 once the agent removed its node's readiness taint (readiness-taint)",
+        i64::from(counters.untainted.load(Ordering::Relaxed)),
     );
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
     for (name, help, v) in [

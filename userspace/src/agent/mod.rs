@@ -26,6 +26,7 @@ pub mod settings;
 pub mod template;
 pub mod timings;
 pub mod uninstall;
+pub mod untaint;
 mod watch;
 
 use std::{

@@ -88,6 +88,8 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub pod_capacity: Option<u32>,
     pub node_name: String,
+    /// The taint removed from this node once ready (None: off).
+    pub readiness_taint: Option<String>,
     pub pod_namespace: String,
     pub uninstall_requested: bool,
     pub bpf_object: Option<PathBuf>,
@@ -171,6 +173,34 @@ pub fn parse_bool(v: &str) -> Result<bool, String> {
 }
 
 /// `30s`, `500ms`, `2m`, `1h`, or plain seconds.
+/// The readiness taint's key when none is named: a node provisioner adds it with effect
+/// NoSchedule, and the agent removes it once ready.
+pub const DEFAULT_READINESS_TAINT: &str = "sidestep.io/agent-not-ready";
+
+/// `false`/empty: off; `true`: [`DEFAULT_READINESS_TAINT`]; else a taint key (`[prefix/]name`).
+pub fn parse_taint_key(v: &str) -> Result<Option<String>, String> {
+    let v = v.trim();
+    match v {
+        "" | "false" => return Ok(None),
+        "true" => return Ok(Some(DEFAULT_READINESS_TAINT.into())),
+        _ => {}
+    }
+    let name = v.rsplit_once('/').map_or(v, |(_, n)| n);
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && v.len() <= 316
+        && v.bytes().filter(|b| *b == b'/').count() <= 1
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'));
+    if ok {
+        Ok(Some(v.to_owned()))
+    } else {
+        Err(format!(
+            "{v:?} is not a taint key ([prefix/]name of letters, digits, '-', '_', '.'); use true for {DEFAULT_READINESS_TAINT}"
+        ))
+    }
+}
+
 pub fn parse_duration(v: &str) -> Result<Duration, String> {
     let (num, unit) = match v.find(|c: char| !c.is_ascii_digit()) {
         Some(i) => v.split_at(i),
@@ -435,6 +465,7 @@ impl Settings {
                 })
                 .transpose()?,
             node_name: r.string("node-name", ""),
+            readiness_taint: r.parse("readiness-taint", || Ok(None), parse_taint_key)?,
             pod_namespace: r.string("pod-namespace", ""),
             uninstall_requested: r.boolean("uninstall-requested", false)?,
             bpf_object: r

@@ -168,6 +168,7 @@ pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
     let (pods_tx, pods_rx) = mpsc::channel(1);
     tokio::spawn(super::podwatch::run(agent.clone(), pods_tx));
     tokio::spawn(reconcile_loop(agent.clone(), pods_rx));
+    tokio::spawn(super::untaint::run(agent.clone()));
 
     let sig = tokio::select! {
         _ = term.recv() => "SIGTERM",

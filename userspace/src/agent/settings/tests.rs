@@ -208,3 +208,23 @@ fn durations() {
     assert!(parse_duration("s").is_err());
     assert!(parse_duration("3d").is_err());
 }
+
+#[test]
+fn readiness_taint_takes_true_a_key_or_nothing() {
+    assert_eq!(parse_taint_key("").unwrap(), None);
+    assert_eq!(parse_taint_key("false").unwrap(), None);
+    assert_eq!(
+        parse_taint_key("true").unwrap().as_deref(),
+        Some(DEFAULT_READINESS_TAINT)
+    );
+    assert_eq!(
+        parse_taint_key(" example.com/cni-not-ready ")
+            .unwrap()
+            .as_deref(),
+        Some("example.com/cni-not-ready")
+    );
+    for bad in ["a/b/c", "no spaces", "x/", "key=value"] {
+        let e = parse_taint_key(bad).unwrap_err();
+        assert!(e.contains("not a taint key"), "{bad}: {e}");
+    }
+}
