@@ -41,6 +41,12 @@ const LEAKED_VARS: &[&str] = &[
 /// Prefixes of per-package variables cargo sets for the running binary.
 const LEAKED_PREFIXES: &[&str] = &["CARGO_PKG_", "CARGO_CFG_", "CARGO_FEATURE_"];
 
+/// Whether `key` is one of the variables the outer cargo or rustup set for xtask itself, rather
+/// than one the user chose.
+pub fn is_leaked_var(key: &str) -> bool {
+    LEAKED_VARS.contains(&key) || LEAKED_PREFIXES.iter().any(|p| key.starts_with(p))
+}
+
 pub struct Cmd {
     inner: Command,
     program: String,
@@ -116,9 +122,7 @@ impl Cmd {
     pub fn clean_toolchain_env(mut self) -> Self {
         for (key, _) in std::env::vars_os() {
             let key = key.to_string_lossy();
-            if LEAKED_VARS.contains(&key.as_ref())
-                || LEAKED_PREFIXES.iter().any(|p| key.starts_with(p))
-            {
+            if is_leaked_var(&key) {
                 self.inner.env_remove(key.as_ref());
             }
         }
@@ -203,6 +207,25 @@ impl Cmd {
         Ok(())
     }
 
+    /// Echo, run with stderr shown (cargo's progress and errors), and return stdout, for
+    /// machine-readable output of a long command; fail unless it exits 0.
+    pub fn capture(mut self) -> Result<String> {
+        println!("==> {}", self.display());
+        self.inner
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let out = match self.inner.output() {
+            Ok(out) => out,
+            Err(e) => return Err(self.failure(format!("could not start: {e}"))),
+        };
+        if !out.status.success() {
+            bail!(self.failure(format!("failed ({})", out.status)));
+        }
+        String::from_utf8(out.stdout)
+            .with_context(|| format!("`{}` printed non-UTF-8", self.display()))
+    }
+
     /// Capture stdout of a probe. Probes are not echoed: they change nothing,
     /// and `setup` runs a couple of dozen of them on every invocation.
     pub fn read(mut self) -> Result<String> {
@@ -220,8 +243,9 @@ impl Cmd {
     }
 }
 
-/// Quote for a POSIX shell only when needed, so echoed lines can be pasted.
-fn quote(s: &str) -> String {
+/// Quote for a POSIX shell only when needed, so echoed lines can be pasted
+/// (and generated scripts read as plainly).
+pub fn quote(s: &str) -> String {
     let plain = !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_./=+:,@%".contains(c));

@@ -1,6 +1,8 @@
 //! The Debian packages the tests, demo and benchmarks drive as real
 //! components: pod runtime, sidecar proxy, load generators, kernel tools.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::{Result, bail};
 
 use crate::cmd::{self, Cmd};
@@ -30,15 +32,22 @@ const PACKAGES: &[&str] = &[
 ];
 
 pub fn ensure() -> Result<()> {
+    ensure_packages(PACKAGES)
+}
+
+/// Install whichever of `packages` are missing, with apt and without their Recommends; a
+/// no-op (a few dpkg-query probes) when all are there. `ensure` uses it for the always-needed
+/// list, the VM tasks for qemu and the tools that unpack a kernel, which only they need.
+pub fn ensure_packages(packages: &[&str]) -> Result<()> {
     if !cmd::on_path("dpkg-query") {
         bail!(
             "dpkg-query not found: setup only knows Debian/Ubuntu\n  fix: install the equivalents of: {}",
-            PACKAGES.join(" ")
+            packages.join(" ")
         );
     }
-    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
-        println!("debian packages: ok ({} checked)", PACKAGES.len());
+        println!("debian packages: ok ({} checked)", packages.len());
         return Ok(());
     }
 
@@ -54,10 +63,7 @@ pub fn ensure() -> Result<()> {
     }
 
     println!("debian packages: installing {}", missing.join(" "));
-    Cmd::new("apt-get")
-        .arg("update")
-        .hint("check network access and /etc/apt/sources.list")
-        .run()?;
+    apt_update()?;
     Cmd::new("apt-get")
         .env("DEBIAN_FRONTEND", "noninteractive")
         .args(["install", "-y", "--no-install-recommends"])
@@ -73,6 +79,21 @@ pub fn ensure() -> Result<()> {
             still.join(" ")
         );
     }
+    Ok(())
+}
+
+/// `apt-get update`, at most once per run: installing packages and resolving a kernel package
+/// may both want fresh lists, and each update costs seconds of network.
+pub fn apt_update() -> Result<()> {
+    static DONE: AtomicBool = AtomicBool::new(false);
+    if DONE.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    Cmd::new("apt-get")
+        .arg("update")
+        .hint("check network access and /etc/apt/sources.list")
+        .run()?;
+    DONE.store(true, Ordering::Relaxed);
     Ok(())
 }
 

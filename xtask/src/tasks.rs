@@ -1,6 +1,7 @@
 //! Tasks that run what was built: tests, demo, benchmarks. Their exit code is
 //! the child's, so CI sees the real result.
 
+use std::path::PathBuf;
 use std::process::{ExitCode, ExitStatus};
 
 use anyhow::{Context, Result, bail};
@@ -16,6 +17,24 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
              fix: rerun as root, e.g. `sudo -E env PATH=\"$PATH\" cargo xtask test`"
         );
     }
+    let (object, plugin) = prepare(lint)?;
+    let mut cargo = build::workspace_cargo(&object)
+        .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
+        .env("SIDESTEP_CNI_BIN", &plugin)
+        .arg("test");
+    // cargo lets --workspace override -p, so `test -- -p foo` would
+    // silently run everything.
+    if !selects_package(cargo_args) {
+        cargo = cargo.arg("--workspace");
+    }
+    let status = cargo.args(cargo_args).status()?;
+    Ok(exit_code(status))
+}
+
+/// What every test run needs, on the host or in a VM: setup, the workspace with its BPF
+/// object, the static CNI plugin, and with `lint` a clippy pass. Returns the object and the
+/// plugin.
+pub fn prepare(lint: bool) -> Result<(PathBuf, PathBuf)> {
     setup::full(lint)?;
     let object = build::workspace(false)?;
     let plugin = build::static_plugin(&object, false)?;
@@ -33,17 +52,7 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
             .run()
             .context("linting the workspace")?;
     }
-    let mut cargo = build::workspace_cargo(&object)
-        .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
-        .env("SIDESTEP_CNI_BIN", &plugin)
-        .arg("test");
-    // cargo lets --workspace override -p, so `test -- -p foo` would
-    // silently run everything.
-    if !selects_package(cargo_args) {
-        cargo = cargo.arg("--workspace");
-    }
-    let status = cargo.args(cargo_args).status()?;
-    Ok(exit_code(status))
+    Ok((object, plugin))
 }
 
 pub fn demo() -> Result<ExitCode> {
