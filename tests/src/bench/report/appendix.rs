@@ -59,6 +59,13 @@ impl Report {
             "- Client, two sidecars, server and load generator share {} CPUs, so every figure includes CPU contention between them; these are relative figures for this machine, not absolute capacity numbers.",
             self.sys.nproc
         );
+        let _ = writeln!(
+            o,
+            "- Kernel: every figure is from the host's kernel ({}). The test suite also runs on Linux 6.1 and 6.12 in VMs, but under TCG (emulated CPUs; this machine's KVM does not work), where time is not comparable to a real CPU's, so no benchmark runs there: those runs are for correctness only (docs/RELIABILITY.md, \"Kernels\").",
+            std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map(|r| r.trim().to_string())
+                .unwrap_or_else(|_| "unknown".into())
+        );
         if self.config.quick {
             let _ = writeln!(
                 o,
