@@ -118,6 +118,9 @@ pub struct PluginConfig {
     pub fail_strategy: FailStrategy,
     /// Where inbound capture hooks in, for every pod this network enrols (`inbound_hook`).
     pub inbound_hook: InboundHook,
+    /// ADD decides and reports, and changes nothing (`decide_only`): the agent's repair modes
+    /// that do not enrol (`delete`, `label`) ask the plugin's rules this way.
+    pub decide_only: bool,
     /// From runtimeConfig; `None` when the runtime did not pass them.
     pub pod_annotations: Option<BTreeMap<String, String>>,
     pub prev_result: Option<PrevResult>,
@@ -202,6 +205,7 @@ struct Raw {
     policy: Option<Value>,
     fail_strategy: Option<FailStrategy>,
     inbound_hook: Option<InboundHook>,
+    decide_only: Option<bool>,
     pod_namespace: Option<String>,
     ambient_enabled: Option<bool>,
     runtime_config: Option<RawRuntimeConfig>,
@@ -277,6 +281,7 @@ impl PluginConfig {
             policy: take(obj, "policy")?,
             fail_strategy: take(obj, "fail_strategy")?,
             inbound_hook: take(obj, "inbound_hook")?,
+            decide_only: take(obj, "decide_only")?,
             pod_namespace: take(obj, "pod_namespace")?,
             ambient_enabled: take(obj, "ambient_enabled")?,
             runtime_config: take(obj, "runtimeConfig")?,
@@ -376,6 +381,7 @@ impl PluginConfig {
             policy,
             fail_strategy: raw.fail_strategy.unwrap_or_default(),
             inbound_hook: raw.inbound_hook.unwrap_or(DEFAULT_INBOUND_HOOK),
+            decide_only: raw.decide_only.unwrap_or(false),
             pod_annotations: raw.runtime_config.and_then(|r| r.pod_annotations),
             prev_result,
             valid_attachments: raw.valid_attachments,

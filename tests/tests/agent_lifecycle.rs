@@ -140,8 +140,10 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
         api.kubeconfig.display().to_string(),
     ]);
 
-    // Without repair: reported, not touched.
-    let mut agent = Agent::start(&env, &args, port)?;
+    // Without repair (on by default with a node name, as in a cluster): reported, not touched.
+    let mut without = args.clone();
+    without.extend(["--repair".into(), "false".into()]);
+    let mut agent = Agent::start(&env, &without, port)?;
     agent.wait_ready(Duration::from_secs(30))?;
     wait_until("the report", Duration::from_secs(10), || {
         Ok(agent.get("/readyz")?.1.contains("4 not enrolled"))
@@ -213,6 +215,22 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
     ensure!(
         records.len() == 2 && records.iter().all(|n| n.starts_with("sidestep-repair-")),
         "{records:?}"
+    );
+    // Each repaired pod got a Normal event an operator sees in `kubectl describe pod`.
+    let events = api.events();
+    for name in ["client", "server"] {
+        ensure!(
+            events.iter().any(|e| e["involvedObject"]["name"] == name
+                && e["reason"] == "SidestepRepaired"
+                && e["type"] == "Normal"),
+            "no SidestepRepaired event for {name}: {events:?}"
+        );
+    }
+    ensure!(
+        !events
+            .iter()
+            .any(|e| e["involvedObject"]["name"] == "plain"),
+        "an event for a pod repair left alone: {events:?}"
     );
     // The plugin recorded the pods under their API names.
     let rec: Value = serde_json::from_slice(&std::fs::read(d.state.join(&records[0]))?)?;
@@ -411,6 +429,113 @@ fn the_readiness_taint_goes_once_ready_and_only_then() -> Result<()> {
         taints(&api)
     );
     ensure!(agent.metric("sidestep_readiness_taint_removed")? == 1.0);
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}
+
+/// Istio's other repair modes: `label` marks a pod that should be captured and is not, and
+/// leaves it; `delete` deletes it (its UID as precondition) so that its controller recreates it
+/// through the CNI chain. Either acts only on pods the plugin's ADD would capture (it is asked
+/// with `decide_only`), never enrols, and records a Warning event on the pod.
+#[test]
+fn repair_modes_label_and_delete_act_on_uncaptured_pods_only() -> Result<()> {
+    if skip_unless_root("repair_modes_label_and_delete_act_on_uncaptured_pods_only") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-repair-modes")?;
+    let d = Dirs::new(&env)?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let meshed = node.add_pod("meshed")?;
+    let plain = node.add_pod("plain")?;
+    let api = PodApi::start(
+        env.tmp_dir(),
+        vec![
+            api_pod(NODE, "shop", "meshed", &[meshed.ipv4.to_string()], true),
+            api_pod(NODE, "shop", "plain", &[plain.ipv4.to_string()], false),
+        ],
+    )?;
+    d.write_primary("10-test.conflist")?;
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend([
+        "--node-name".into(),
+        NODE.into(),
+        "--api-kubeconfig".into(),
+        api.kubeconfig.display().to_string(),
+    ]);
+    let with_mode = |mode: &str| {
+        let mut a = args.clone();
+        a.extend(["--repair-mode".into(), mode.into()]);
+        a
+    };
+    let label = |name: &str| -> Option<String> {
+        api.pod("shop", name).and_then(|p| {
+            p["metadata"]["labels"]["sidestep.io/uninitialized"]
+                .as_str()
+                .map(str::to_owned)
+        })
+    };
+
+    // label: repair is on by default with a node name; the meshed pod is labelled, not enrolled.
+    let mut agent = Agent::start(&env, &with_mode("label"), port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    wait_until("the label", Duration::from_secs(10), || {
+        Ok(label("meshed").as_deref() == Some("true"))
+    })
+    .with_context(|| agent.log())?;
+    ensure!(label("plain").is_none(), "an unmeshed pod was labelled");
+    ensure!(
+        agent_support::enrolled_cookies(&env)?.is_empty(),
+        "label mode enrolled"
+    );
+    wait_until("the label count", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_repair_labelled_pods_total")? == 1.0)
+    })?;
+    let events = api.events();
+    ensure!(
+        events
+            .iter()
+            .any(|e| e["involvedObject"]["name"] == "meshed"
+                && e["reason"] == "SidestepLabelledUncaptured"
+                && e["type"] == "Warning"),
+        "{events:?}"
+    );
+    agent.child.terminate(Duration::from_secs(10))?;
+
+    // delete: the meshed pod is deleted from the API; the unmeshed one stays.
+    let mut agent = Agent::start(&env, &with_mode("delete"), port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    wait_until("the deletion", Duration::from_secs(10), || {
+        Ok(api.pod("shop", "meshed").is_none())
+    })
+    .with_context(|| agent.log())?;
+    ensure!(
+        api.pod("shop", "plain").is_some(),
+        "an unmeshed pod was deleted"
+    );
+    ensure!(
+        agent_support::enrolled_cookies(&env)?.is_empty(),
+        "delete mode enrolled"
+    );
+    wait_until("the delete count", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_repair_deleted_pods_total")? == 1.0)
+    })?;
+    let events = api.events();
+    ensure!(
+        events
+            .iter()
+            .any(|e| e["involvedObject"]["name"] == "meshed"
+                && e["reason"] == "SidestepDeletedUncaptured"),
+        "{events:?}"
+    );
+    ensure!(
+        api.requests().iter().any(
+            |r| r.starts_with("DELETE /api/v1/namespaces/shop/pods/meshed")
+                && r.contains("uid-shop-meshed")
+        ),
+        "the delete carries no UID precondition: {:?}",
+        api.requests()
+    );
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }

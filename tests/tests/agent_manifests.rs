@@ -227,11 +227,14 @@ fn deploy_manifests_are_valid() -> Result<()> {
     );
 
     let role = &load(&bin, &dir.join("clusterrole.yaml"))?[0];
-    // Exactly what the code uses: pods read and watched; nodes read and patched (the taint).
+    // Exactly what the code uses: pods read and watched, patched and deleted by repair's label
+    // and delete modes; events created; nodes read and patched (the readiness taint).
     ensure!(
         role["rules"]
             == serde_json::json!([
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": [""], "resources": ["pods"],
+                 "verbs": ["get", "list", "watch", "patch", "delete"]},
+                {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
                 {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
             ]),
         "{}",

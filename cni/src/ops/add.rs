@@ -36,6 +36,22 @@ fn mesh_name(m: Mesh) -> &'static str {
 }
 
 /// Returns the result to print: prevResult unchanged, or an empty result without one.
+/// `decide_only`: what ADD would do, and nothing done: `{"sidestepDecision": "enrol"}`, or
+/// `"skip"` with the reason, or `"uncaptured"` with the error that would fail (or, under
+/// FAIL_OPEN, pass) the ADD.
+fn decision_report(resolved: &Result<Resolved, Result<Uncaptured, CniError>>) -> Value {
+    match resolved {
+        Ok(Resolved::Enrol(_)) => serde_json::json!({"sidestepDecision": "enrol"}),
+        Ok(Resolved::Skip(reason, _)) => {
+            serde_json::json!({"sidestepDecision": "skip", "reason": reason.to_string()})
+        }
+        Err(Ok(u)) => {
+            serde_json::json!({"sidestepDecision": "uncaptured", "reason": u.error.msg})
+        }
+        Err(Err(e)) => serde_json::json!({"sidestepDecision": "error", "reason": e.msg}),
+    }
+}
+
 pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let output = match &ctx.cfg.prev_result {
         Some(p) => p.output(ctx.cfg.cni_version),
@@ -46,7 +62,11 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     // A bad netns is an error whatever the decision: the host's is never a pod's.
     let cookie = ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
 
-    let (enrolment, identity, api_ips) = match resolve(ctx) {
+    let resolved = resolve(ctx);
+    if ctx.cfg.decide_only {
+        return Ok(decision_report(&resolved));
+    }
+    let (enrolment, identity, api_ips) = match resolved {
         Ok(Resolved::Skip(reason, source)) => {
             tracing::info!(
                 "{} not captured: {reason}{}",

@@ -672,3 +672,25 @@ fn sk_lookup_falls_back_to_tc_where_it_cannot_work() {
 
 mod del;
 mod index;
+
+#[test]
+fn decide_only_reports_the_decision_and_changes_nothing() {
+    let h = Harness::new();
+    let conf = h.conf(json!({"decide_only": true}));
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    assert!(o.success, "{:?}", o.stdout);
+    let v: Value = o.stdout.clone().unwrap();
+    assert_eq!(v["sidestepDecision"], "enrol", "{v}");
+    assert!(h.world.pods.borrow().is_empty(), "decide_only enrolled");
+
+    let h = Harness::new();
+    let conf = h.conf(json!({
+        "decide_only": true,
+        "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {}},
+    }));
+    let o = h.run("ADD", "c1", "/run/netns/a", &conf);
+    let v: Value = o.stdout.clone().unwrap();
+    assert_eq!(v["sidestepDecision"], "skip", "{v}");
+    assert!(v["reason"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+    assert!(h.world.pods.borrow().is_empty());
+}

@@ -21,6 +21,8 @@ use serde_json::{Value, json};
 struct State {
     pods: Vec<Value>,
     nodes: Vec<Value>,
+    /// Events created (POST .../events), in order.
+    events_posted: Vec<Value>,
     /// (resourceVersion, event type, object), oldest first.
     events: Vec<(u64, &'static str, Value)>,
     rv: u64,
@@ -145,6 +147,20 @@ impl PodApi {
         st.nodes.push(node);
     }
 
+    /// The Events clients created, in order.
+    pub fn events(&self) -> Vec<Value> {
+        lock(&self.shared.state).events_posted.clone()
+    }
+
+    /// The pod as the API holds it now (None once deleted).
+    pub fn pod(&self, ns: &str, name: &str) -> Option<Value> {
+        lock(&self.shared.state)
+            .pods
+            .iter()
+            .find(|p| p["metadata"]["namespace"] == ns && p["metadata"]["name"] == name)
+            .cloned()
+    }
+
     /// The node as the API holds it now.
     pub fn node(&self, name: &str) -> Option<Value> {
         lock(&self.shared.state)
@@ -231,13 +247,21 @@ fn serve(shared: &Shared, stream: TcpStream) {
         )
     } else {
         let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        let st = lock(&shared.state);
         match parts.as_slice() {
-            ["api", "v1", "namespaces", ns, "pods", name] => st
-                .pods
-                .iter()
-                .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
-                .map_or_else(|| not_found(path), |p| (200, p.clone())),
+            ["api", "v1", "namespaces", ns, "events"] if method == "POST" => {
+                let mut event: Value = serde_json::from_slice(&body).unwrap_or_default();
+                event["metadata"]["name"] = json!(format!(
+                    "{}{}",
+                    event["metadata"]["generateName"].as_str().unwrap_or(""),
+                    lock(&shared.state).events_posted.len()
+                ));
+                event["metadata"]["namespace"] = json!(ns);
+                lock(&shared.state).events_posted.push(event.clone());
+                (201, event)
+            }
+            ["api", "v1", "namespaces", ns, "pods", name] => {
+                pod_request(shared, &method, ns, name, &body, path)
+            }
             _ => not_found(path),
         }
     };
@@ -247,6 +271,65 @@ fn serve(shared: &Shared, stream: TcpStream) {
         "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
+}
+
+/// GET a pod, PATCH its labels (a JSON merge patch), or DELETE it (honouring a UID
+/// precondition); a delete is a DELETED event for watchers.
+fn pod_request(
+    shared: &Shared,
+    method: &str,
+    ns: &str,
+    name: &str,
+    body: &[u8],
+    path: &str,
+) -> (u16, Value) {
+    let mut st = lock(&shared.state);
+    let Some(i) = st
+        .pods
+        .iter()
+        .position(|p| p["metadata"]["namespace"] == ns && p["metadata"]["name"] == name)
+    else {
+        return not_found(path);
+    };
+    match method {
+        "PATCH" => {
+            let patch: Value = serde_json::from_slice(body).unwrap_or_default();
+            st.rv += 1;
+            let rv = st.rv;
+            let pod = &mut st.pods[i];
+            if let Some(labels) = patch["metadata"]["labels"].as_object() {
+                for (k, v) in labels {
+                    pod["metadata"]["labels"][k] = v.clone();
+                }
+            }
+            pod["metadata"]["resourceVersion"] = json!(rv.to_string());
+            let pod = pod.clone();
+            st.events.push((rv, "MODIFIED", pod.clone()));
+            drop(st);
+            shared.changed.notify_all();
+            (200, pod)
+        }
+        "DELETE" => {
+            let params: Value = serde_json::from_slice(body).unwrap_or_default();
+            if let Some(uid) = params["preconditions"]["uid"].as_str()
+                && st.pods[i]["metadata"]["uid"] != uid
+            {
+                return (
+                    409,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                           "reason": "Conflict", "code": 409, "message": "uid precondition"}),
+                );
+            }
+            st.rv += 1;
+            let rv = st.rv;
+            let pod = st.pods.remove(i);
+            st.events.push((rv, "DELETED", pod.clone()));
+            drop(st);
+            shared.changed.notify_all();
+            (200, pod)
+        }
+        _ => (200, st.pods[i].clone()),
+    }
 }
 
 /// GET a node, or PATCH it with a JSON merge patch of `spec.taints` that carries the node's

@@ -70,9 +70,15 @@ pub struct AgentArgs {
     /// How often to reconcile pods, e.g. 30s or 2m [default: 30s].
     #[arg(long, env = "SIDESTEP_RECONCILE_INTERVAL")]
     pub reconcile_interval: Option<String>,
-    /// Enrol running pods that were never enrolled, in place [default: false].
+    /// Repair running pods that were never enrolled [default: true with node-name (in a
+    /// cluster), else false].
     #[arg(long, env = "SIDESTEP_REPAIR", num_args = 0..=1, default_missing_value = "true")]
     pub repair: Option<String>,
+    /// What repair does with a pod that should be captured and is not: `repair` (enrol it in
+    /// place), `delete` (delete it, so it is recreated through the CNI chain) or `label` (label
+    /// it sidestep.io/uninitialized=true) [default: repair].
+    #[arg(long, env = "SIDESTEP_REPAIR_MODE")]
+    pub repair_mode: Option<String>,
     /// The policy (JSON, camelCase) repair enrols with [default: Istio's].
     #[arg(long, env = "SIDESTEP_REPAIR_POLICY")]
     pub repair_policy: Option<String>,
@@ -139,6 +145,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "metrics-max-age" => a.metrics_max_age.as_ref(),
         "reconcile-interval" => a.reconcile_interval.as_ref(),
         "repair" => a.repair.as_ref(),
+        "repair-mode" => a.repair_mode.as_ref(),
         "repair-policy" => a.repair_policy.as_ref(),
         "api-kubeconfig" => a.api_kubeconfig.as_ref(),
         "netns-dirs" => a.netns_dirs.as_ref(),
@@ -159,7 +166,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 32] = [
+pub(super) const KEYS: [&str; 33] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -179,6 +186,7 @@ pub(super) const KEYS: [&str; 32] = [
     "metrics-max-age",
     "reconcile-interval",
     "repair",
+    "repair-mode",
     "repair-policy",
     "api-kubeconfig",
     "netns-dirs",

@@ -53,6 +53,9 @@ pub struct AgentCounters {
     pub reconciles: AtomicU64,
     pub kubeconfig_writes: AtomicU64,
     pub binary_installs: AtomicU64,
+    /// Uncaptured pods repair deleted (`repair-mode: delete`) and labelled (`label`).
+    pub repair_deleted: AtomicU64,
+    pub repair_labelled: AtomicU64,
     /// The readiness taint is off this node (`readiness-taint`).
     pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
@@ -308,6 +311,16 @@ pub fn render(
             "sidestep_repaired_pods",
             "Running pods enrolled in place by repair",
             &counters.repaired,
+        ),
+        (
+            "sidestep_repair_deleted_pods",
+            "Uncaptured pods repair deleted to be recreated through the CNI chain (repair-mode: delete)",
+            &counters.repair_deleted,
+        ),
+        (
+            "sidestep_repair_labelled_pods",
+            "Uncaptured pods repair labelled sidestep.io/uninitialized=true (repair-mode: label)",
+            &counters.repair_labelled,
         ),
         (
             "sidestep_reconcile_errors",

@@ -18,6 +18,7 @@ pub mod conflist;
 pub mod http;
 pub mod install;
 pub mod metrics;
+pub mod podapi;
 pub mod pods;
 pub mod podwatch;
 pub mod reconcile;
@@ -421,6 +422,10 @@ impl Agent {
             .fetch_add(report.collected.len() as u64, Ordering::Relaxed);
         c.repaired
             .fetch_add(report.repaired.len() as u64, Ordering::Relaxed);
+        c.repair_deleted
+            .fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
+        c.repair_labelled
+            .fetch_add(report.labelled.len() as u64, Ordering::Relaxed);
         c.reconcile_errors
             .fetch_add(report.errors.len() as u64, Ordering::Relaxed);
         for e in &report.errors {

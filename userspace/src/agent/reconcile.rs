@@ -71,6 +71,9 @@ pub struct Report {
     pub repaired: Vec<LiveNetns>,
     /// Netns whose pod the plugin's ADD leaves uncaptured (repair in a cluster), with its reason.
     pub skipped: Vec<(LiveNetns, String)>,
+    /// Pods repair deleted (`repair-mode: delete`) or labelled (`label`) instead of enrolling.
+    pub deleted: Vec<LiveNetns>,
+    pub labelled: Vec<LiveNetns>,
     pub errors: Vec<String>,
 }
 

@@ -32,6 +32,7 @@ use serde_json::{Value, json};
 use super::{
     pods::{self, LiveNetns},
     reconcile::{self, Network, ReconcileError},
+    settings::RepairMode,
     settings::Settings,
 };
 
@@ -42,6 +43,10 @@ const API_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Repaired,
+    /// `repair-mode: delete`: the pod was deleted, to be recreated through the chain.
+    Deleted,
+    /// `repair-mode: label`: the pod was labelled and left as it is.
+    Labelled,
     /// The plugin's ADD ran and left the pod uncaptured, for this reason.
     Skipped(String),
 }
@@ -227,6 +232,12 @@ pub fn repair_all(
         };
         match done {
             Ok(Outcome::Repaired) => report.repaired.push(l),
+            Ok(Outcome::Deleted) => report.deleted.push(l),
+            Ok(Outcome::Labelled) => {
+                // Left uncaptured on purpose: not labelled again while its netns lives.
+                skipped().insert(l.cookie, "labelled sidestep.io/uninitialized=true".into());
+                report.labelled.push(l);
+            }
             Ok(Outcome::Skipped(why)) => {
                 tracing::info!(
                     netns = %l.path.display(),
@@ -264,13 +275,56 @@ fn repair_in_cluster(
         .ok_or_else(|| fail("it has no interface with an address".into()))?;
     let ips: Vec<IpAddr> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
     let pod = match_pod(pods, &ips).map_err(fail)?;
-    let conf = cluster_config(entry, network, kubeconfig, &l.path, &addrs);
+    let mut conf = cluster_config(entry, network, kubeconfig, &l.path, &addrs);
+    let who = format!("{}/{}", pod.namespace, pod.name);
     let container_id = format!("sidestep-repair-{}", l.cookie);
     let args = format!(
         "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_UID={}",
         pod.namespace, pod.name, pod.uid
     );
-    let (_, stderr) = reconcile::run_plugin_with_args(
+    let event = |reason, message: &str| {
+        if let Err(e) = super::podapi::event(kubeconfig, &s.node_name, pod, reason, message) {
+            tracing::warn!(pod = %who, error = %e, "could not record an event");
+        }
+    };
+    if s.repair_mode != RepairMode::Repair {
+        // Ask the plugin's rules without enrolling: only a pod its ADD would capture is acted on.
+        conf["decide_only"] = json!(true);
+        let (stdout, _) = reconcile::run_plugin_with_args(
+            s,
+            "ADD",
+            &container_id,
+            &l.path,
+            &addrs.ifname,
+            &args,
+            &conf,
+        )
+        .map_err(fail)?;
+        let decision: Value = serde_json::from_str(&stdout).unwrap_or_default();
+        if decision["sidestepDecision"] != "enrol" {
+            let why = decision["reason"]
+                .as_str()
+                .unwrap_or("not captured by its ADD");
+            return Ok(Outcome::Skipped(format!("{who}: {why}")));
+        }
+        return if s.repair_mode == RepairMode::Delete {
+            let message = "the pod runs without traffic capture (it started before sidestep was \
+                           ready); deleted so that it is recreated through the CNI chain";
+            event(super::podapi::Reason::DeletedUncaptured, message);
+            super::podapi::delete(kubeconfig, pod).map_err(fail)?;
+            tracing::warn!(pod = %who, netns_cookie = l.cookie, "repair: deleted an uncaptured pod, to be recreated through the CNI chain");
+            Ok(Outcome::Deleted)
+        } else {
+            super::podapi::label(kubeconfig, pod).map_err(fail)?;
+            event(
+                super::podapi::Reason::LabelledUncaptured,
+                "the pod runs without traffic capture; labelled sidestep.io/uninitialized=true (repair-mode: label)",
+            );
+            tracing::warn!(pod = %who, netns_cookie = l.cookie, "repair: labelled an uncaptured pod");
+            Ok(Outcome::Labelled)
+        };
+    }
+    let added = reconcile::run_plugin_with_args(
         s,
         "ADD",
         &container_id,
@@ -278,23 +332,33 @@ fn repair_in_cluster(
         &addrs.ifname,
         &args,
         &conf,
-    )
-    .map_err(fail)?;
+    );
+    let (_, stderr) = match added {
+        Ok(out) => out,
+        Err(e) => {
+            event(
+                super::podapi::Reason::RepairFailed,
+                &format!("could not enrol the running pod in place: {e}"),
+            );
+            return Err(fail(e));
+        }
+    };
     if reconcile::enrolled_cookies(&s.pin_root).contains(&l.cookie) {
         tracing::info!(
-            pod = %format!("{}/{}", pod.namespace, pod.name),
+            pod = %who,
             netns = %l.path.display(),
             netns_cookie = l.cookie,
             interface = %addrs.ifname,
             "repaired: enrolled a running pod in place"
         );
+        event(
+            super::podapi::Reason::Repaired,
+            "traffic capture was missing (the pod started before sidestep was ready); enrolled in place",
+        );
         return Ok(Outcome::Repaired);
     }
     let why = skip_reason(&stderr).unwrap_or_else(|| "the plugin did not enrol it".into());
-    Ok(Outcome::Skipped(format!(
-        "{}/{}: {why}",
-        pod.namespace, pod.name
-    )))
+    Ok(Outcome::Skipped(format!("{who}: {why}")))
 }
 
 #[cfg(test)]

@@ -77,6 +77,8 @@ pub struct Settings {
     pub metrics_max_age: Duration,
     pub reconcile_interval: Duration,
     pub repair: bool,
+    /// What repair does with a pod that should be captured and is not.
+    pub repair_mode: RepairMode,
     pub repair_policy: Policy,
     /// Set: repair finds each netns's pod through the API and lets the plugin decide.
     pub api_kubeconfig: Option<PathBuf>,
@@ -173,6 +175,36 @@ pub fn parse_bool(v: &str) -> Result<bool, String> {
 }
 
 /// `30s`, `500ms`, `2m`, `1h`, or plain seconds.
+/// Istio's repair modes (`cni.repair.repairPods`, `deletePods`, `labelPods`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepairMode {
+    /// Enrol the pod in place.
+    Repair,
+    /// Delete the pod, so that its controller recreates it through the CNI chain.
+    Delete,
+    /// Label it `sidestep.io/uninitialized=true` and leave it.
+    Label,
+}
+
+impl RepairMode {
+    pub fn parse(v: &str) -> Result<Self, String> {
+        match v.trim() {
+            "repair" => Ok(Self::Repair),
+            "delete" => Ok(Self::Delete),
+            "label" => Ok(Self::Label),
+            other => Err(format!("{other:?}: expected repair, delete or label")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Repair => "repair",
+            Self::Delete => "delete",
+            Self::Label => "label",
+        }
+    }
+}
+
 /// The readiness taint's key when none is named: a node provisioner adds it with effect
 /// NoSchedule, and the agent removes it once ready.
 pub const DEFAULT_READINESS_TAINT: &str = "sidestep.io/agent-not-ready";
@@ -421,7 +453,10 @@ impl Settings {
                 || Ok(Duration::from_secs(30)),
                 parse_duration,
             )?,
-            repair: r.boolean("repair", false)?,
+            // In a cluster (the downward API names the node) repair is on unless turned off, as
+            // istio-cni's is; outside one it would enrol every netns in scope, so it is opt-in.
+            repair: r.boolean("repair", !r.string("node-name", "").is_empty())?,
+            repair_mode: r.parse("repair-mode", || Ok(RepairMode::Repair), RepairMode::parse)?,
             repair_policy,
             api_kubeconfig: r
                 .get("api-kubeconfig")

@@ -1,0 +1,138 @@
+//! What the agent writes to the API about a pod: Kubernetes Events an operator sees in
+//! `kubectl describe pod` and `kubectl get events`, and repair's two other actions, deleting the
+//! pod (so its controller recreates it through the CNI chain) and labelling it. Each call is
+//! short and blocking, made from a reconcile.
+
+use std::{path::Path, time::Duration};
+
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::{
+    Api, Client, Config,
+    api::{DeleteParams, Patch, PatchParams, PostParams},
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use serde_json::json;
+
+use super::repair::NodePod;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+/// The label repair's `label` mode puts on a pod that should be captured and is not.
+pub const UNINITIALIZED_LABEL: &str = "sidestep.io/uninitialized";
+
+fn block_on<T>(
+    kubeconfig: &Path,
+    f: impl AsyncFnOnce(Client) -> Result<T, String>,
+) -> Result<T, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start an async runtime: {e}"))?;
+    rt.block_on(async {
+        let shown = kubeconfig.display();
+        let kc =
+            Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+        let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+        config.connect_timeout = Some(TIMEOUT);
+        config.read_timeout = Some(TIMEOUT);
+        let client = Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+        tokio::time::timeout(TIMEOUT, f(client))
+            .await
+            .map_err(|_| format!("no answer from the API server within {TIMEOUT:?}"))?
+    })
+}
+
+/// Why the agent tells an operator about a pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// Enrolled in place by repair.
+    Repaired,
+    /// Deleted by repair (`repair-mode: delete`) so that it is recreated through the CNI chain.
+    DeletedUncaptured,
+    /// Labelled by repair (`repair-mode: label`).
+    LabelledUncaptured,
+    /// Repair could not enrol it.
+    RepairFailed,
+}
+
+impl Reason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Repaired => "SidestepRepaired",
+            Self::DeletedUncaptured => "SidestepDeletedUncaptured",
+            Self::LabelledUncaptured => "SidestepLabelledUncaptured",
+            Self::RepairFailed => "SidestepRepairFailed",
+        }
+    }
+
+    fn warning(self) -> bool {
+        !matches!(self, Self::Repaired)
+    }
+}
+
+/// Records an Event on `pod` (core/v1, as kubelet's own), from the agent on `node`.
+pub fn event(
+    kubeconfig: &Path,
+    node: &str,
+    pod: &NodePod,
+    reason: Reason,
+    message: &str,
+) -> Result<(), String> {
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let event: Event = serde_json::from_value(json!({
+        "metadata": {"generateName": format!("{}.", pod.name), "namespace": pod.namespace},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace,
+                           "name": pod.name, "uid": pod.uid},
+        "reason": reason.as_str(),
+        "message": message,
+        "type": if reason.warning() { "Warning" } else { "Normal" },
+        "source": {"component": "sidestep-agent", "host": node},
+        "reportingComponent": "sidestep.io/agent",
+        "reportingInstance": node,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }))
+    .map_err(|e| format!("building the event: {e}"))?;
+    let ns = pod.namespace.clone();
+    block_on(kubeconfig, async move |client: Client| {
+        Api::<Event>::namespaced(client, &ns)
+            .create(&PostParams::default(), &event)
+            .await
+            .map(drop)
+            .map_err(|e| format!("recording event {}: {e}", reason.as_str()))
+    })
+}
+
+/// Deletes the pod, only if it is still the pod that was found (its UID).
+pub fn delete(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
+    let (ns, name, uid) = (pod.namespace.clone(), pod.name.clone(), pod.uid.clone());
+    block_on(kubeconfig, async move |client: Client| {
+        let params = DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        Api::<Pod>::namespaced(client, &ns)
+            .delete(&name, &params)
+            .await
+            .map(drop)
+            .map_err(|e| format!("deleting pod {ns}/{name}: {e}"))
+    })
+}
+
+/// Labels the pod `sidestep.io/uninitialized=true`.
+pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
+    let (ns, name) = (pod.namespace.clone(), pod.name.clone());
+    block_on(kubeconfig, async move |client: Client| {
+        let patch = json!({"metadata": {"labels": {UNINITIALIZED_LABEL: "true"}}});
+        Api::<Pod>::namespaced(client, &ns)
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(drop)
+            .map_err(|e| format!("labelling pod {ns}/{name}: {e}"))
+    })
+}
