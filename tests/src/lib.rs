@@ -62,6 +62,23 @@ pub fn skip_unless_root(test: &str) -> bool {
     true
 }
 
+/// How many times slower than a real CPU this machine runs the tests: `SIDESTEP_TEST_TIME_SCALE`,
+/// which `cargo xtask test --kernel` sets for VMs under TCG (emulated CPUs, 20-50x slower); one
+/// elsewhere. A deadline that states a product claim ("repaired within 2 s") is multiplied by
+/// it, so the claim is proven on the host and the behaviour (not the speed) in the VMs.
+pub fn time_scale() -> u32 {
+    std::env::var("SIDESTEP_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|s| *s >= 1)
+        .unwrap_or(1)
+}
+
+/// `d` times [`time_scale`].
+pub fn scaled(d: std::time::Duration) -> std::time::Duration {
+    d * time_scale()
+}
+
 /// Whether a network interface exists in the root netns.
 pub fn link_exists(name: &str) -> bool {
     std::path::Path::new("/sys/class/net").join(name).exists()

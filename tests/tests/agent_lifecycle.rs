@@ -318,9 +318,11 @@ fn pods_are_repaired_from_the_watch_within_seconds() -> Result<()> {
         api_pod(NODE, "shop", "first", &[p.ipv4.to_string()], true)
     })
     .with_context(|| agent.log())?;
+    // The claim is 2 s; under emulation (xtask's VMs) it is scaled with the machine's speed.
+    let bound = sidestep_tests::scaled(Duration::from_secs(2));
     ensure!(
-        first <= Duration::from_secs(2),
-        "repaired {first:?} after the API listed it"
+        first <= bound,
+        "repaired {first:?} after the API listed it (bound {bound:?})"
     );
     let watches = |api: &PodApi| {
         api.requests()
@@ -348,8 +350,8 @@ fn pods_are_repaired_from_the_watch_within_seconds() -> Result<()> {
     })
     .with_context(|| agent.log())?;
     ensure!(
-        second <= Duration::from_secs(2),
-        "after the relist: repaired {second:?} after the API listed it"
+        second <= bound,
+        "after the relist: repaired {second:?} after the API listed it (bound {bound:?})"
     );
     // A pod on another node never reaches this agent's watch.
     api.add(api_pod(
@@ -428,7 +430,10 @@ fn the_readiness_taint_goes_once_ready_and_only_then() -> Result<()> {
         "other taints must stay: {:?}",
         taints(&api)
     );
-    ensure!(agent.metric("sidestep_readiness_taint_removed")? == 1.0);
+    // Set after the API confirmed the patch, so a moment after the taint is gone.
+    wait_until("the taint metric", Duration::from_secs(5), || {
+        Ok(agent.metric("sidestep_readiness_taint_removed")? == 1.0)
+    })?;
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }
