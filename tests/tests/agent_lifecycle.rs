@@ -166,6 +166,7 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
     args.extend(["--repair".into(), "true".into()]);
     let mut agent = Agent::start(&env, &args, port)?;
     agent.wait_ready(Duration::from_secs(30))?;
+    let ready_at = std::time::Instant::now();
     let want: BTreeSet<u64> = [client.netns_cookie()?, server.netns_cookie()?].into();
     wait_until("repair", Duration::from_secs(10), || {
         Ok(agent_support::enrolled_cookies(&env)?
@@ -174,6 +175,13 @@ fn pods_started_before_the_agent_are_reported_repaired_and_collected() -> Result
             == want)
     })
     .with_context(|| agent.log())?;
+    // Pods that started while the agent was down are captured within 2 s of it being ready.
+    let took = ready_at.elapsed();
+    let bound = sidestep_tests::scaled(Duration::from_secs(2));
+    ensure!(
+        took <= bound,
+        "repaired {took:?} after ready (bound {bound:?})"
+    );
     wait_until("the repair and skip counts", Duration::from_secs(5), || {
         Ok(agent.metric("sidestep_repaired_pods_total")? == 2.0
             && agent.metric("sidestep_pods_skipped")? == 2.0
@@ -482,12 +490,19 @@ fn repair_modes_label_and_delete_act_on_uncaptured_pods_only() -> Result<()> {
     };
 
     // label: repair is on by default with a node name; the meshed pod is labelled, not enrolled.
+    let bound = sidestep_tests::scaled(Duration::from_secs(2));
     let mut agent = Agent::start(&env, &with_mode("label"), port)?;
     agent.wait_ready(Duration::from_secs(30))?;
+    let ready_at = std::time::Instant::now();
     wait_until("the label", Duration::from_secs(10), || {
         Ok(label("meshed").as_deref() == Some("true"))
     })
     .with_context(|| agent.log())?;
+    ensure!(
+        ready_at.elapsed() <= bound,
+        "labelled {:?} after ready",
+        ready_at.elapsed()
+    );
     ensure!(label("plain").is_none(), "an unmeshed pod was labelled");
     ensure!(
         agent_support::enrolled_cookies(&env)?.is_empty(),
@@ -510,10 +525,16 @@ fn repair_modes_label_and_delete_act_on_uncaptured_pods_only() -> Result<()> {
     // delete: the meshed pod is deleted from the API; the unmeshed one stays.
     let mut agent = Agent::start(&env, &with_mode("delete"), port)?;
     agent.wait_ready(Duration::from_secs(30))?;
+    let ready_at = std::time::Instant::now();
     wait_until("the deletion", Duration::from_secs(10), || {
         Ok(api.pod("shop", "meshed").is_none())
     })
     .with_context(|| agent.log())?;
+    ensure!(
+        ready_at.elapsed() <= bound,
+        "deleted {:?} after ready",
+        ready_at.elapsed()
+    );
     ensure!(
         api.pod("shop", "plain").is_some(),
         "an unmeshed pod was deleted"
