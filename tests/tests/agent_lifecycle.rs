@@ -565,3 +565,47 @@ fn repair_modes_label_and_delete_act_on_uncaptured_pods_only() -> Result<()> {
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }
+
+/// What the plugin's ADD did reaches the pod as a Kubernetes Event: a pod captured through the
+/// chain gets `SidestepEnrolled`, named by the pod the plugin recorded.
+#[test]
+fn adds_through_the_chain_become_events_on_the_pod() -> Result<()> {
+    if skip_unless_root("adds_through_the_chain_become_events_on_the_pod") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-events")?;
+    let d = Dirs::new(&env)?;
+    let api = PodApi::start(env.tmp_dir(), Vec::new())?;
+    d.write_primary("10-test.conflist")?;
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend([
+        "--node-name".into(),
+        NODE.into(),
+        "--api-kubeconfig".into(),
+        api.kubeconfig.display().to_string(),
+    ]);
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let node = d.node(&env, "10-test.conflist")?;
+    let _web = node.add_pod_with("web", meshed())?;
+    let event = || {
+        api.events().into_iter().find(|e| {
+            e["involvedObject"]["name"] == "web" && e["involvedObject"]["namespace"] == "shop"
+        })
+    };
+    wait_until("the event", Duration::from_secs(10), || {
+        Ok(event().is_some())
+    })
+    .with_context(|| agent.log())?;
+    let e = event().context("no event")?;
+    ensure!(
+        e["reason"] == "SidestepEnrolled"
+            && e["type"] == "Normal"
+            && e["source"]["component"] == "sidestep-agent"
+            && e["message"].as_str().is_some_and(|m| m.contains("eth0")),
+        "{e}"
+    );
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}

@@ -46,6 +46,10 @@ fn block_on<T>(
 /// Why the agent tells an operator about a pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
+    /// Captured by the plugin's ADD.
+    Enrolled,
+    /// Started without capture: the ADD could not enrol it and FAIL_OPEN let it through.
+    Uncaptured,
     /// Enrolled in place by repair.
     Repaired,
     /// Deleted by repair (`repair-mode: delete`) so that it is recreated through the CNI chain.
@@ -59,6 +63,8 @@ pub enum Reason {
 impl Reason {
     fn as_str(self) -> &'static str {
         match self {
+            Self::Enrolled => "SidestepEnrolled",
+            Self::Uncaptured => "SidestepUncaptured",
             Self::Repaired => "SidestepRepaired",
             Self::DeletedUncaptured => "SidestepDeletedUncaptured",
             Self::LabelledUncaptured => "SidestepLabelledUncaptured",
@@ -67,7 +73,7 @@ impl Reason {
     }
 
     fn warning(self) -> bool {
-        !matches!(self, Self::Repaired)
+        !matches!(self, Self::Repaired | Self::Enrolled)
     }
 }
 

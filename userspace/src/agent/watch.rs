@@ -97,21 +97,77 @@ async fn kubeconfig_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
     }
 }
 
-/// Counts the plugin's ADDs and DELs as records appearing and disappearing, and reads its
-/// timing lines.
+/// Counts the plugin's ADDs and DELs as records appearing and disappearing, reads its timing
+/// lines, and in a cluster turns what the plugin did into Events on the pods: a new record is
+/// `SidestepEnrolled`, a new FAIL_OPEN marker `SidestepUncaptured` (a failed ADD under
+/// FAIL_CLOSE needs none: kubelet reports the plugin's error on the pod itself).
 async fn records_loop(agent: Arc<Agent>) {
     let dir = agent.settings.state_dir.clone();
+    let markers_dir = dir.join("failopen");
     let mut seen: BTreeSet<String> = pods::record_names(&dir).into_iter().collect();
+    let mut seen_markers: BTreeSet<String> = pods::record_names(&markers_dir).into_iter().collect();
     loop {
         sleep(Duration::from_secs(1)).await;
         let now: BTreeSet<String> = pods::record_names(&dir).into_iter().collect();
+        let markers: BTreeSet<String> = pods::record_names(&markers_dir).into_iter().collect();
         let c = &agent.counters;
         c.cni_adds_observed
             .fetch_add(now.difference(&seen).count() as u64, Ordering::Relaxed);
         c.cni_dels_observed
             .fetch_add(seen.difference(&now).count() as u64, Ordering::Relaxed);
+        let added: Vec<_> = now
+            .difference(&seen)
+            .map(|n| (dir.join(n), super::podapi::Reason::Enrolled))
+            .chain(
+                markers
+                    .difference(&seen_markers)
+                    .map(|n| (markers_dir.join(n), super::podapi::Reason::Uncaptured)),
+            )
+            .collect();
+        if !added.is_empty() {
+            blocking(&agent, move |a| post_add_events(a, &added)).await;
+        }
         seen = now;
+        seen_markers = markers;
         c.cni.poll(&dir);
+    }
+}
+
+/// Events for what the plugin's ADDs did, named by the pod the plugin recorded.
+fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::Reason)]) {
+    let s = &agent.settings;
+    let Some(kubeconfig) = super::repair::api_kubeconfig(s).filter(|_| !s.node_name.is_empty())
+    else {
+        return;
+    };
+    for (path, reason) in files {
+        let Some(v) = std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        else {
+            continue;
+        };
+        let field = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+        let (namespace, name) = (field("podNamespace"), field("podName"));
+        // Repair records its own event; a record without a pod name is not a Kubernetes pod.
+        if name.is_empty() || field("containerID").starts_with("sidestep-repair-") {
+            continue;
+        }
+        let pod = super::repair::NodePod {
+            namespace,
+            name,
+            uid: String::new(),
+        };
+        let message = match reason {
+            super::podapi::Reason::Uncaptured => format!(
+                "started WITHOUT traffic capture (fail_strategy FAIL_OPEN): {}",
+                field("reason")
+            ),
+            _ => format!("traffic captured on {} (CNI ADD)", field("ifname")),
+        };
+        if let Err(e) = super::podapi::event(&kubeconfig, &s.node_name, &pod, *reason, &message) {
+            tracing::debug!(error = %e, "could not record an event");
+        }
     }
 }
 
