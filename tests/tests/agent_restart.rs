@@ -96,7 +96,12 @@ fn finish_load(load: Load) -> Result<u64> {
     ensure!(st.success(), "wrk failed ({st}): {out}{}", wrk.stderr());
     let (requests, errors) = parse_wrk(&out)?;
     eprintln!("wrk: {requests} requests, {errors} errors\n{out}");
-    ensure!(requests >= 1000, "too few requests for a load test:\n{out}");
+    // A floor for "under load"; an emulated CPU (xtask's VMs) manages a tenth as many.
+    let scale = u64::from(sidestep_tests::time_scale());
+    ensure!(
+        requests >= 1000 / scale,
+        "too few requests for a load test:\n{out}"
+    );
     ensure!(errors == 0, "{errors} failed wrk requests:\n{out}");
     curl.wait_timeout(Duration::from_secs(LOAD_SECS + 20))?
         .context("curl loop did not finish")?;
@@ -104,7 +109,11 @@ fn finish_load(load: Load) -> Result<u64> {
     let ok = out.lines().filter(|l| *l == "200").count() as u64;
     let failed = out.lines().count() as u64 - ok;
     eprintln!("curl loop: {ok} new connections answered, {failed} failed");
-    ensure!(ok >= 50, "too few new connections: {out}{}", curl.stderr());
+    ensure!(
+        ok >= 50 / scale,
+        "too few new connections: {out}{}",
+        curl.stderr()
+    );
     ensure!(failed == 0, "{failed} new connections failed:\n{out}");
     Ok(ok)
 }

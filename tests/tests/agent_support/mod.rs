@@ -172,6 +172,7 @@ impl Agent {
     }
 
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<String> {
+        let timeout = sidestep_tests::scaled(timeout);
         let deadline = Instant::now() + timeout;
         loop {
             self.child.ensure_running()?;
