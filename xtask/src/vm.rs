@@ -4,8 +4,9 @@
 //!
 //! The guest's root is the host's `/`, shared read-only over 9p under a tmpfs overlay: every
 //! host path works unchanged inside (test binaries with compiled-in paths, haproxy, podman),
-//! writes stay in the guest, and nothing BPF touches the host's kernel. The host's /tmp, /run
-//! and /dev/shm are hidden behind fresh tmpfs mounts. docs/research/vm-kernels.md records why
+//! writes stay in the guest, and nothing BPF touches the host's kernel. The host's /run and
+//! /dev/shm are hidden behind fresh tmpfs mounts; /tmp is the overlay's, so that a checkout under
+//! /tmp (a CI clone) shows in the guest. docs/research/vm-kernels.md records why
 //! it is built this way and what each kernel lacks.
 
 mod initramfs;

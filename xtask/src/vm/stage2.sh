@@ -6,18 +6,18 @@ bb=/.sidestep-vm/busybox
 $bb mount -t proc proc /proc
 $bb mount -t sysfs sysfs /sys
 $bb mount -t devtmpfs devtmpfs /dev
-# The kernel's modules: the host root has none for this release. A bind mount, made before
-# /tmp gets its tmpfs, so a kernel kept under the host's /tmp still shows. kmod and module
-# autoload (request_module -> /sbin/modprobe) then work as on a real node.
+# The kernel's modules: the host root has none for this release. kmod and module autoload
+# (request_module -> /sbin/modprobe) then work as on a real node.
 $bb mkdir -p /lib/modules/$KVER
 $bb mount --bind "$KROOT/lib/modules/$KVER" /lib/modules/$KVER \
   || echo "sidestep-vm: no modules at $KROOT/lib/modules/$KVER: autoload will fail"
 $bb mkdir -p /dev/pts /dev/shm
 $bb mount -t devpts -o newinstance,ptmxmode=0666,gid=5,mode=620 devpts /dev/pts
 $bb ln -sf pts/ptmx /dev/ptmx
-# Fresh, not overlays: the host's /tmp, /run/netns and /dev/shm must not show through.
+# Fresh, not overlays: the host's /run (its netns bind mounts, which 9p would show as plain
+# files) and /dev/shm must not show through. /tmp stays the overlay's: a checkout under /tmp
+# (CI's fresh clone may be one) must be visible, and writes still land in the guest's tmpfs.
 $bb mount -t tmpfs -o mode=1777 shm /dev/shm
-$bb mount -t tmpfs -o mode=1777 tmp /tmp
 $bb mount -t tmpfs -o mode=0755 run /run
 $bb mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup
 $bb mount -t bpf -o mode=0700 bpffs /sys/fs/bpf
