@@ -305,11 +305,23 @@ fn pinned_id(kind: &str, path: &Path) -> Result<u64> {
         .with_context(|| format!("{kind} {path:?}: {v}"))
 }
 
+/// The program a pinned pod attachment runs: a link's program, or on a kernel without TCX the
+/// program pinned as the record of its tc filter (tests/tests/tc_netlink.rs checks that the
+/// filter runs what the record names).
 fn link_prog(path: &Path) -> Result<u64> {
-    let v = bpftool(&["link", "show", "pinned", &path.display().to_string()])?;
-    v["prog_id"]
-        .as_u64()
-        .with_context(|| format!("link {path:?}: {v}"))
+    let shown = path.display().to_string();
+    match bpftool(&["link", "show", "pinned", &shown]) {
+        Ok(v) => v["prog_id"]
+            .as_u64()
+            .with_context(|| format!("link {path:?}: {v}")),
+        Err(e) if format!("{e:#}").contains("incorrect object type: prog") => {
+            let v = bpftool(&["prog", "show", "pinned", &shown])?;
+            v["id"]
+                .as_u64()
+                .with_context(|| format!("filter record {path:?}: {v}"))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 #[test]
