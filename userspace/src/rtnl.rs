@@ -24,21 +24,27 @@ impl Rtnl {
         Ok(Self { socket, seq: 0 })
     }
 
-    /// Sends one request and waits for its acknowledgement. An add of what exists, or a delete
-    /// of what is gone, counts as done.
-    pub(crate) fn request(&mut self, message: RouteNetlinkMessage, add: bool) -> io::Result<()> {
+    /// Sends `message` with `flags` under the next sequence number.
+    fn send(&mut self, message: RouteNetlinkMessage, flags: u16) -> io::Result<()> {
         self.seq += 1;
         let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK;
-        if add {
-            header.flags |= NLM_F_CREATE | NLM_F_EXCL;
-        }
+        header.flags = flags;
         header.sequence_number = self.seq;
         let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
         packet.finalize();
         let mut buf = vec![0; packet.buffer_len()];
         packet.serialize(&mut buf);
-        self.socket.send(&buf, 0)?;
+        self.socket.send(&buf, 0).map(drop)
+    }
+
+    /// Sends one request and waits for its acknowledgement. An add of what exists, or a delete
+    /// of what is gone, counts as done.
+    pub(crate) fn request(&mut self, message: RouteNetlinkMessage, add: bool) -> io::Result<()> {
+        let mut flags = NLM_F_REQUEST | NLM_F_ACK;
+        if add {
+            flags |= NLM_F_CREATE | NLM_F_EXCL;
+        }
+        self.send(message, flags)?;
         let mut reply = vec![0; 8192];
         loop {
             let n = self.socket.recv(&mut &mut reply[..], 0)?;
@@ -81,15 +87,7 @@ impl Rtnl {
         &mut self,
         message: RouteNetlinkMessage,
     ) -> io::Result<Vec<RouteNetlinkMessage>> {
-        self.seq += 1;
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        header.sequence_number = self.seq;
-        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
-        packet.finalize();
-        let mut buf = vec![0; packet.buffer_len()];
-        packet.serialize(&mut buf);
-        self.socket.send(&buf, 0)?;
+        self.send(message, NLM_F_REQUEST | NLM_F_DUMP)?;
         let mut reply = vec![0; 32768];
         let mut out = Vec::new();
         loop {

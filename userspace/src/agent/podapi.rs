@@ -7,9 +7,8 @@ use std::{path::Path, time::Duration};
 
 use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::{
-    Api, Client, Config,
+    Api, Client,
     api::{DeleteParams, Patch, PatchParams, PostParams},
-    config::{KubeConfigOptions, Kubeconfig},
 };
 use serde_json::json;
 
@@ -28,15 +27,7 @@ fn block_on<T>(
         .build()
         .map_err(|e| format!("cannot start an async runtime: {e}"))?;
     rt.block_on(async {
-        let shown = kubeconfig.display();
-        let kc =
-            Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-        let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-            .await
-            .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-        config.connect_timeout = Some(TIMEOUT);
-        config.read_timeout = Some(TIMEOUT);
-        let client = Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+        let client = super::apiclient::client(kubeconfig, Some(TIMEOUT)).await?;
         tokio::time::timeout(TIMEOUT, f(client))
             .await
             .map_err(|_| format!("no answer from the API server within {TIMEOUT:?}"))?

@@ -18,8 +18,7 @@ use std::{
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use kube::{
-    Api, Client, Config,
-    config::{KubeConfigOptions, Kubeconfig},
+    Api,
     runtime::{
         WatchStreamExt as _,
         reflector::{self, Store},
@@ -66,15 +65,6 @@ impl PodWatch {
     }
 }
 
-async fn client(kubeconfig: &std::path::Path) -> Result<Client, String> {
-    let shown = kubeconfig.display();
-    let kc = Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-    Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))
-}
-
 /// Watches the node's pods for as long as the agent runs, poking `poke` on every change, when
 /// repair is on and the node is named; without a kubeconfig yet it waits for one.
 pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
@@ -90,7 +80,7 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
         tokio::time::sleep(Duration::from_secs(5)).await;
     };
     let client = loop {
-        match client(&kubeconfig).await {
+        match super::apiclient::client(&kubeconfig, None).await {
             Ok(c) => break c,
             Err(e) => {
                 tracing::warn!(error = %e, "pod watch: no API client yet");

@@ -22,11 +22,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::{
-    Api, Client, Config,
-    api::ListParams,
-    config::{KubeConfigOptions, Kubeconfig},
-};
+use kube::{Api, api::ListParams};
 use serde_json::{Value, json};
 
 use super::{
@@ -75,14 +71,7 @@ pub fn api_kubeconfig(s: &Settings) -> Option<PathBuf> {
 }
 
 async fn list_async(kubeconfig: &Path, node: &str) -> Result<Vec<Pod>, String> {
-    let shown = kubeconfig.display();
-    let kc = Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-    let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-    config.connect_timeout = Some(API_TIMEOUT);
-    config.read_timeout = Some(API_TIMEOUT);
-    let client = Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
+    let client = super::apiclient::client(kubeconfig, Some(API_TIMEOUT)).await?;
     let list = Api::<Pod>::all(client)
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
         .await

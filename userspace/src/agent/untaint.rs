@@ -9,22 +9,12 @@ use std::{sync::Arc, time::Duration};
 
 use k8s_openapi::api::core::v1::Node;
 use kube::{
-    Api, Client, Config,
+    Api, Client,
     api::{Patch, PatchParams},
-    config::{KubeConfigOptions, Kubeconfig},
 };
 use serde_json::json;
 
 use super::Agent;
-
-async fn client(kubeconfig: &std::path::Path) -> Result<Client, String> {
-    let shown = kubeconfig.display();
-    let kc = Kubeconfig::read_from(kubeconfig).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-    Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))
-}
 
 /// What one attempt did.
 #[derive(Debug, PartialEq, Eq)]
@@ -86,10 +76,11 @@ pub async fn run(agent: Arc<Agent>) {
         let Some(kubeconfig) = super::repair::api_kubeconfig(&agent.settings) else {
             continue;
         };
-        let result = match client(&kubeconfig).await {
-            Ok(c) => remove(c, &node, &key).await,
-            Err(e) => Err(e),
-        };
+        let result =
+            match super::apiclient::client(&kubeconfig, Some(Duration::from_secs(10))).await {
+                Ok(c) => remove(c, &node, &key).await,
+                Err(e) => Err(e),
+            };
         match result {
             Ok(done) => {
                 tracing::info!(
