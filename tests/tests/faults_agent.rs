@@ -398,10 +398,12 @@ fn expect_repair(
         round,
         Duration::from_secs(20),
     )?;
-    ensure!(
-        a.metric("sidestep_reconcile_errors")? > errors,
-        "the reload was not counted in sidestep_reconcile_errors"
-    );
+    // Counted when the reconcile that logged it returns: a moment later on a slow machine.
+    agent_support::wait_until(
+        "the reload counted in sidestep_reconcile_errors",
+        sidestep_tests::scaled(Duration::from_secs(5)),
+        || Ok(a.metric("sidestep_reconcile_errors")? > errors),
+    )?;
     ensure!(
         enrolled_cookies(root)?.contains(&cookie),
         "pod not enrolled again: {body}"
