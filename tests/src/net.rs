@@ -126,7 +126,7 @@ pub fn wait_listening(
     want: &[SocketAddr],
     timeout: Duration,
 ) -> Result<()> {
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now() + crate::scaled(timeout);
     loop {
         child.ensure_running()?;
         let have = listening_sockets(child.pid())?;

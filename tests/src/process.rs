@@ -264,13 +264,15 @@ pub(crate) fn spawn(
     })
 }
 
-/// Runs `spec` to completion; kills it and fails (with its output) after `timeout`.
+/// Runs `spec` to completion; kills it and fails (with its output) after `timeout` (scaled with
+/// the machine's speed, [`crate::time_scale`]: a hung command, not a slow one, is the failure).
 pub(crate) fn run(
     env: &TestEnv,
     netns: Option<&Path>,
     spec: &Spawn<'_>,
     timeout: Duration,
 ) -> Result<Output> {
+    let timeout = crate::scaled(timeout);
     let mut g = spawn(env, netns, spec, true)?;
     let status = match g.wait_timeout(timeout)? {
         Some(st) => st,
