@@ -25,6 +25,16 @@ struct Reply {
     body: Value,
 }
 
+/// `SIDESTEP_TEST_TIME_SCALE` (set by `cargo xtask test --kernel` for emulated VMs) times `d`:
+/// the bounds here are about a real CPU.
+fn scaled(d: Duration) -> Duration {
+    d * std::env::var("SIDESTEP_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|s| *s >= 1)
+        .unwrap_or(1)
+}
+
 fn ok(body: Value) -> Reply {
     Reply {
         delay: Duration::ZERO,
@@ -108,7 +118,7 @@ fn kube_cfg(kubeconfig: &Path, retries: u32, timeout_ms: u64) -> KubernetesConfi
         kubeconfig: Some(kubeconfig.to_path_buf()),
         pod_read_retries: retries,
         pod_read_interval: Duration::from_millis(20),
-        request_timeout: Duration::from_millis(timeout_ms),
+        request_timeout: scaled(Duration::from_millis(timeout_ms)),
     }
 }
 
@@ -168,7 +178,7 @@ fn linkerd_injected() -> Value {
 fn reads_the_pod_through_the_kubeconfig() {
     let tmp = tempfile::tempdir().unwrap();
     let (kc, seen) = serve(vec![ok(istio_injected())], tmp.path());
-    let reader = KubeReader::new(&kc, Duration::from_secs(2));
+    let reader = KubeReader::new(&kc, scaled(Duration::from_secs(2)));
     let pod = read_with_retries(&reader, &id(), &kube_cfg(&kc, 1, 2000)).unwrap();
     let seen = seen.lock().unwrap().clone();
     assert!(
@@ -191,7 +201,7 @@ fn reads_the_pod_through_the_kubeconfig() {
 fn linkerd_shape() {
     let tmp = tempfile::tempdir().unwrap();
     let (kc, _) = serve(vec![ok(linkerd_injected())], tmp.path());
-    let reader = KubeReader::new(&kc, Duration::from_secs(2));
+    let reader = KubeReader::new(&kc, scaled(Duration::from_secs(2)));
     let pod = read_with_retries(&reader, &id(), &kube_cfg(&kc, 1, 2000)).unwrap();
     let Decision::Enrol(e) = decide_pod(Mesh::Linkerd, &pod).unwrap() else {
         panic!("the injected pod is not enrolled");
@@ -207,7 +217,7 @@ fn retries_while_the_pod_is_not_there_yet() {
         vec![not_found(), not_found(), ok(istio_injected())],
         tmp.path(),
     );
-    let reader = KubeReader::new(&kc, Duration::from_secs(2));
+    let reader = KubeReader::new(&kc, scaled(Duration::from_secs(2)));
     let pod = read_with_retries(&reader, &id(), &kube_cfg(&kc, 5, 2000)).unwrap();
     assert_eq!(pod.name, "web");
     assert_eq!(seen.lock().unwrap().len(), 3);
@@ -217,15 +227,15 @@ fn retries_while_the_pod_is_not_there_yet() {
 fn a_slow_server_times_out_within_the_bound() {
     let tmp = tempfile::tempdir().unwrap();
     let slow = Reply {
-        delay: Duration::from_millis(1500),
+        delay: scaled(Duration::from_millis(1500)),
         ..ok(istio_injected())
     };
     let (kc, _) = serve(vec![slow], tmp.path());
-    let reader = KubeReader::new(&kc, Duration::from_millis(200));
+    let reader = KubeReader::new(&kc, scaled(Duration::from_millis(200)));
     let start = Instant::now();
     let e = read_with_retries(&reader, &id(), &kube_cfg(&kc, 2, 200)).unwrap_err();
     assert!(
-        start.elapsed() < Duration::from_millis(1200),
+        start.elapsed() < scaled(Duration::from_millis(1200)),
         "{:?}",
         start.elapsed()
     );
