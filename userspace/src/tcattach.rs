@@ -242,6 +242,15 @@ pub fn slot_of_pin(name: &str) -> (String, Slot) {
     }
 }
 
+/// The interface and slot a pin's file name stands for.
+fn slot_of_path(pin: &Path) -> (String, Slot) {
+    slot_of_pin(
+        &pin.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+    )
+}
+
 /// The filter records (not TCX links) in a pod's tc link directory.
 pub fn filter_records(dir: &Path) -> Vec<PathBuf> {
     fs::read_dir(dir)
@@ -297,11 +306,7 @@ pub fn detach_filter_records(layout: &PinLayout, netns_cookie: u64) {
     }
     let netns = find_pod_netns(layout, netns_cookie);
     for pin in records {
-        let name = pin
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let (interface, slot) = slot_of_pin(&name);
+        let (interface, slot) = slot_of_path(&pin);
         match &netns {
             Some(netns) => {
                 let _ = netns.run(|| {
@@ -332,11 +337,7 @@ pub fn update_filter_records(layout: &PinLayout, netns_cookie: u64) -> io::Resul
     };
     let mut updated = 0;
     for pin in records {
-        let name = pin
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let (interface, slot) = slot_of_pin(&name);
+        let (interface, slot) = slot_of_path(&pin);
         let name = if slot == INBOUND {
             program_names::TC_INGRESS
         } else if slot == REROUTE_INGRESS {

@@ -276,19 +276,22 @@ fn repair_in_cluster(
             tracing::warn!(pod = %who, error = %e, "could not record an event");
         }
     };
-    if s.repair_mode != RepairMode::Repair {
-        // Ask the plugin's rules without enrolling: only a pod its ADD would capture is acted on.
-        conf["decide_only"] = json!(true);
-        let (stdout, _) = reconcile::run_plugin_with_args(
+    // The installed plugin's ADD for this netns, as the runtime would run it.
+    let add = |conf: &Value| {
+        reconcile::run_plugin_with_args(
             s,
             "ADD",
             &container_id,
             &l.path,
             &addrs.ifname,
             &args,
-            &conf,
+            conf,
         )
-        .map_err(fail)?;
+    };
+    if s.repair_mode != RepairMode::Repair {
+        // Ask the plugin's rules without enrolling: only a pod its ADD would capture is acted on.
+        conf["decide_only"] = json!(true);
+        let (stdout, _) = add(&conf).map_err(fail)?;
         let decision: Value = serde_json::from_str(&stdout).unwrap_or_default();
         if decision["sidestepDecision"] != "enrol" {
             let why = decision["reason"]
@@ -313,16 +316,7 @@ fn repair_in_cluster(
             Ok(Outcome::Labelled)
         };
     }
-    let added = reconcile::run_plugin_with_args(
-        s,
-        "ADD",
-        &container_id,
-        &l.path,
-        &addrs.ifname,
-        &args,
-        &conf,
-    );
-    let (_, stderr) = match added {
+    let (_, stderr) = match add(&conf) {
         Ok(out) => out,
         Err(e) => {
             event(
