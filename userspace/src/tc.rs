@@ -137,22 +137,7 @@ pub fn detach_link_pin(layout: &PinLayout, netns_cookie: u64, pin: &Path) {
         detach_links_under_file(pin);
         return;
     }
-    let name = pin
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let (interface, slot) = tcattach::slot_of_pin(&name);
-    match tcattach::find_pod_netns(layout, netns_cookie) {
-        Some(netns) => {
-            let _ = netns.run(|| {
-                tcattach::detach_here(pin, &interface, slot);
-                Ok(())
-            });
-        }
-        None => {
-            let _ = fs::remove_file(pin);
-        }
-    }
+    tcattach::detach_record(tcattach::find_pod_netns(layout, netns_cookie).as_ref(), pin);
 }
 
 fn detach_links_under_file(pin: &std::path::Path) {

@@ -306,17 +306,23 @@ pub fn detach_filter_records(layout: &PinLayout, netns_cookie: u64) {
     }
     let netns = find_pod_netns(layout, netns_cookie);
     for pin in records {
-        let (interface, slot) = slot_of_path(&pin);
-        match &netns {
-            Some(netns) => {
-                let _ = netns.run(|| {
-                    detach_here(&pin, &interface, slot);
-                    Ok(())
-                });
-            }
-            None => {
-                let _ = fs::remove_file(&pin);
-            }
+        detach_record(netns.as_ref(), &pin);
+    }
+}
+
+/// Deletes the filter `pin` records inside `netns` and removes the pin; without the netns (it
+/// died, and took its filters with it) only the pin goes.
+pub fn detach_record(netns: Option<&Netns>, pin: &Path) {
+    let (interface, slot) = slot_of_path(pin);
+    match netns {
+        Some(netns) => {
+            let _ = netns.run(|| {
+                detach_here(pin, &interface, slot);
+                Ok(())
+            });
+        }
+        None => {
+            let _ = fs::remove_file(pin);
         }
     }
 }
