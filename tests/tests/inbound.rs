@@ -277,9 +277,14 @@ fn port_reuse_onto_time_wait(when: ProxiesListen) -> Result<()> {
         "40000 40100",
     )?;
     let target = url(server.ipv4.into(), 80, "/");
+    // curl's own leg to the client sidecar ends in TIME_WAIT on curl's side about half the time
+    // (it closes as the proxy does). Kept in the 101-port range, those loopback 4-tuples could
+    // use it up and fail a connect with EADDRNOTAVAIL before any SYN left; they get their own.
     let mut argv = vec![
         "curl",
         "-sS",
+        "--local-port",
+        "30000-30999",
         "--max-time",
         "2",
         "-H",
