@@ -1,7 +1,6 @@
 //! cgroup2 helpers: find the mount, create a child cgroup, kill everything in it, remove it.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -86,23 +85,6 @@ impl Cgroup {
     /// Pids listed in this cgroup's own `cgroup.procs` (not its children's).
     pub fn procs(&self) -> Result<Vec<i32>> {
         read_procs(&self.path)
-    }
-
-    /// Opens `cgroup.procs` for writing. Writing `0` to it moves the writer into the cgroup; this
-    /// is how spawned processes join before they exec.
-    pub fn open_procs(&self) -> Result<File> {
-        let p = self.path.join("cgroup.procs");
-        OpenOptions::new()
-            .write(true)
-            .open(&p)
-            .with_context(|| format!("open {}", p.display()))
-    }
-
-    /// Moves an existing process into this cgroup.
-    pub fn add_pid(&self, pid: u32) -> Result<()> {
-        self.open_procs()?
-            .write_all(pid.to_string().as_bytes())
-            .with_context(|| format!("move pid {pid} into {}", self.path.display()))
     }
 
     /// Kills every process in the subtree and waits until it is empty.

@@ -26,11 +26,16 @@ pub(crate) fn next_counter() -> u32 {
     COUNTER.fetch_add(1, Ordering::Relaxed)
 }
 
+/// The leaf of a test's cgroup that holds its processes.
+const PROCESS_LEAF: &str = "procs";
+
 /// One test's sandbox on the host.
 ///
 /// - id: `<name>-<pid>-<counter>`, unique among live processes;
-/// - a child cgroup `<cgroup2 mount>/sidestep-test-<id>`, where spawned pod processes go and
-///   where the test attaches its cgroup programs (never the root: see MACHINE.md);
+/// - a child cgroup `<cgroup2 mount>/sidestep-test-<id>`, where the test attaches its cgroup
+///   programs (never the root: see MACHINE.md), and its leaf `procs`, where spawned processes
+///   go. The leaf keeps the test's own cgroup free of processes, so that podman may enable
+///   controllers in it on a pure cgroup v2 host (the kernel refuses a cgroup with processes);
 /// - a pin root path `/sys/fs/bpf/sidestep-test-<id>` (not created here);
 /// - a scratch directory (mode 0755, so that proxies running as UID 1337 can read configs).
 ///
@@ -65,6 +70,8 @@ impl TestEnv {
         sweep::sweep_once();
         let id = format!("{name}-{}-{}", std::process::id(), next_counter());
         let cgroup = Cgroup::create(cgroup2_mount()?.join(format!("sidestep-test-{id}")))?;
+        let procs = cgroup.path().join(PROCESS_LEAF);
+        fs::create_dir(&procs).with_context(|| format!("mkdir cgroup {}", procs.display()))?;
         let pin_root = Path::new(BPFFS).join(format!("sidestep-test-{id}"));
         let tmp = tempfile::Builder::new()
             .prefix(&format!("sidestep-test-{id}-"))
@@ -93,6 +100,16 @@ impl TestEnv {
 
     pub fn cgroup(&self) -> &Cgroup {
         &self.cgroup
+    }
+
+    /// Opens the process leaf's `cgroup.procs` (see the type's doc), for a spawned child to
+    /// join before it execs.
+    pub fn open_process_leaf(&self) -> Result<fs::File> {
+        let p = self.cgroup.path().join(PROCESS_LEAF).join("cgroup.procs");
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .with_context(|| format!("open {}", p.display()))
     }
 
     /// `/sys/fs/bpf/sidestep-test-<id>`; it is not created.

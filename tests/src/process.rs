@@ -213,7 +213,7 @@ pub(crate) fn spawn(
     // Opened before fork; both are O_CLOEXEC, so they close at exec.
     let procs = spec
         .in_cgroup
-        .then(|| env.cgroup().open_procs())
+        .then(|| env.open_process_leaf())
         .transpose()?;
     let ns = netns
         .map(|p| File::open(p).with_context(|| format!("open netns {}", p.display())))
