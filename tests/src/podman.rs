@@ -17,7 +17,10 @@
 //!   (1048576) cannot be set without CAP_SYS_RESOURCE. Note that with `default_ulimits` set,
 //!   podman applies them even to `--ulimit host` containers;
 //! - pods get `--cgroup-parent` = the env's cgroup, so the cgroup programs the test attached
-//!   there apply to every container of the pod.
+//!   there apply to every container of the pod;
+//! - on a pure cgroup2 host, the deny-all device program podman 4.3 attaches to each pod's
+//!   cgroup is detached after `pod create`, as podman 4.9.2 and later never attach it (see
+//!   [`Podman::create_pod`]).
 //!
 //! What podman gives a chained plugin: `K8S_POD_NAME` only (no namespace, no runtimeConfig)
 //! and a prevResult, so sidestep-cni needs a `policy` object in its config to enrol the pod.
@@ -42,6 +45,7 @@ use serde_json::Value;
 
 use crate::cgroup::cgroup2_mount;
 use crate::env::TestEnv;
+use crate::faults::bpftool;
 use crate::netns;
 use crate::util::{output_within, tail};
 
@@ -282,6 +286,8 @@ volume_path = {volumes}
             ipv4: Ipv4Addr::UNSPECIFIED,
             cgroup_path: String::new(),
         });
+        self.detach_pod_device_filter(name)
+            .with_context(|| format!("pod {name}: detaching podman's device filter"))?;
         let started = self.podman(&["pod", "start", name]);
         // Whatever happened, learn the IDs and the netns for cleanup.
         let info = self.inspect_pod(name, network);
@@ -298,6 +304,50 @@ volume_path = {volumes}
             pod.netns_path.display()
         );
         Ok(pod)
+    }
+
+    /// Podman before 4.9.2 (Debian 12 ships 4.3.1) with `cgroupfs` on a pure cgroup2 host sets
+    /// the new pod cgroup's resources through runc's fs2 manager without device rules, and runc
+    /// turns "no rules" into a deny-all BPF_CGROUP_DEVICE program on that cgroup. An access
+    /// must pass the device programs of every ancestor, so each container of the pod then
+    /// fails to reopen its /dev/null (EPERM), whatever runc allows on the container's own
+    /// cgroup. Podman 4.9.2 skips devices on pod cgroups (containers/podman 35955bc), so this
+    /// detaches what older releases attached there and leaves the cgroups a fixed podman makes:
+    /// runc's per-container allow-list still applies. On a hybrid host podman attaches nothing
+    /// (devices is a v1 controller there) and this does nothing.
+    fn detach_pod_device_filter(&self, name: &str) -> Result<()> {
+        let pod = first(serde_json::from_str(
+            &self.podman(&["pod", "inspect", name])?,
+        )?);
+        let Some(rel) = pod["CgroupPath"].as_str().filter(|p| !p.is_empty()) else {
+            return Ok(());
+        };
+        let path = cgroup2_mount()?.join(rel.trim_start_matches('/'));
+        if !path.is_dir() {
+            return Ok(());
+        }
+        let path = path.display().to_string();
+        // Only what is attached to the pod cgroup itself (no --effective): runc's filters on
+        // the container cgroups below stay.
+        for prog in bpftool(&["cgroup", "show", &path])?
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            // bpftool 7 prints "cgroup_device", older releases "device".
+            if !matches!(
+                prog["attach_type"].as_str(),
+                Some("cgroup_device" | "device")
+            ) {
+                continue;
+            }
+            let id = prog["id"]
+                .as_u64()
+                .context("bpftool cgroup show: no id")?
+                .to_string();
+            bpftool(&["cgroup", "detach", &path, "device", "id", &id])?;
+        }
+        Ok(())
     }
 
     fn inspect_pod(&self, name: &str, network: &str) -> Result<PodmanPod> {

@@ -37,6 +37,10 @@ const PACKAGES: &[&str] = &[
 /// Default for `--timeout`: the full suite takes 20-60 min per kernel under TCG.
 pub const DEFAULT_TIMEOUT: &str = "40m";
 
+/// `SIDESTEP_TEST_TIME_SCALE` in the guests: the middle of TCG's 20-50x. It is set under KVM as
+/// well, where it only loosens bounds (KVM has not worked on the machines we have).
+const TCG_TIME_SCALE: u32 = 30;
+
 /// `cargo xtask vm`: boot `kernel` and run `command` in the caller's directory; the exit code
 /// is the command's.
 pub fn run(kernel: &str, timeout: Duration, command: &[String]) -> Result<ExitCode> {
@@ -113,7 +117,8 @@ pub fn test(
         ("SIDESTEP_CNI_BIN", plugin),
         // TCG runs 20-50x slower than the host (docs/research/vm-kernels.md): deadlines that
         // state a product claim are scaled by this in the VMs (tests/src/lib.rs, time_scale).
-        ("SIDESTEP_TEST_TIME_SCALE", "10".to_owned()),
+        // 10 was too tight for the fork-heavy paths (the agent's repairs took 20-40 s there).
+        ("SIDESTEP_TEST_TIME_SCALE", TCG_TIME_SCALE.to_string()),
     ];
     let mut reports = Vec::new();
     for kernel in &kernels {
