@@ -39,7 +39,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use sidestep_tests::{
-    Node, NodeOptions, TestEnv,
+    ChildGuard, Node, NodeOptions, Pod, Spawn, TestEnv,
     parity::{Listeners, Names, Oracle, print_uncaptured, render_table},
     sidestep::Loaded,
     skip_unless_root,
@@ -170,39 +170,59 @@ fn parity_with_istio_iptables() -> Result<()> {
         let loaded = Loaded::load(&env)?;
         let cni = Cni::new(&env, loaded.pin_root(), hook)?;
         let mut attached = false;
-        let outcomes = collect(&env, &topo, &mut listeners, &all, |set, listeners| {
-            match set {
-                Set::TwoAttachments => {
-                    // The netns as a runtime hands it to the chain: not enrolled, and (for
-                    // sk_lookup) no proxy listening yet, or the plugin would fall back to tc.
-                    loaded.unenroll(&s)?;
-                    if hook == "sk_lookup" {
-                        listeners.stop(proxy);
+        // Addresses added after enrolment are the pod's own once something follows them: the
+        // agent does for the plugin's pods, `sidestep follow-addresses` for these.
+        let follower = std::cell::RefCell::new(None);
+        let outcomes = collect(
+            &env,
+            &topo,
+            &mut listeners,
+            &all,
+            |set, listeners| {
+                *follower.borrow_mut() = None;
+                match set {
+                    Set::TwoAttachments => {
+                        // The netns as a runtime hands it to the chain: not enrolled, and (for
+                        // sk_lookup) no proxy listening yet, or the plugin would fall back to tc.
+                        loaded.unenroll(&s)?;
+                        if hook == "sk_lookup" {
+                            listeners.stop(proxy);
+                        }
+                        attached = true;
+                        cni.run("ADD", node.network(), &s, "eth0", &s.cni_result)?;
+                        cni.run("ADD", net2.network(), &s, "net1", &topo.x.net1_result)?;
+                        if hook == "sk_lookup" {
+                            proxy = start_proxy(listeners)?;
+                        }
                     }
-                    attached = true;
-                    cni.run("ADD", node.network(), &s, "eth0", &s.cni_result)?;
-                    cni.run("ADD", net2.network(), &s, "net1", &topo.x.net1_result)?;
-                    if hook == "sk_lookup" {
-                        proxy = start_proxy(listeners)?;
+                    Set::Net1Deleted => {
+                        cni.run("DEL", net2.network(), &s, "net1", &topo.x.net1_result)?;
+                    }
+                    _ => {
+                        let capture_ipv6 = set != Set::V4First;
+                        let mut flags =
+                            sidestep_flags(&topo.istio(set), capture_ipv6, env.tmp_dir())?;
+                        flags.extend(["--inbound-hook".to_owned(), hook.to_owned()]);
+                        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+                        loaded.enroll(&s, &flags)?;
+                        if hook == "sk_lookup" {
+                            listeners.stop(proxy);
+                            proxy = start_proxy(listeners)?;
+                        }
+                        if set == Set::LateAddrs {
+                            *follower.borrow_mut() = Some(follow_addresses(&env, &loaded, &s)?);
+                        }
                     }
                 }
-                Set::Net1Deleted => {
-                    cni.run("DEL", net2.network(), &s, "net1", &topo.x.net1_result)?;
-                }
-                _ => {
-                    let capture_ipv6 = set != Set::V4First;
-                    let mut flags = sidestep_flags(&topo.istio(set), capture_ipv6, env.tmp_dir())?;
-                    flags.extend(["--inbound-hook".to_owned(), hook.to_owned()]);
-                    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-                    loaded.enroll(&s, &flags)?;
-                    if hook == "sk_lookup" {
-                        listeners.stop(proxy);
-                        proxy = start_proxy(listeners)?;
-                    }
-                }
-            }
-            Ok(())
-        });
+                Ok(())
+            },
+            |late| {
+                let follower = follower.borrow();
+                let follower = follower.as_ref().context("no address follower")?;
+                wait_followed(follower, late)
+            },
+        );
+        drop(follower);
         // The last attachment's DEL, also after a failure (the plugin's records outlive the pins).
         let deleted = if attached {
             cni.run("DEL", node.network(), &s, "eth0", &s.cni_result)
@@ -218,9 +238,14 @@ fn parity_with_istio_iptables() -> Result<()> {
 
     let t = Instant::now();
     let mut oracle_rules = Oracle::new(&s);
-    let oracle = collect(&env, &topo, &mut listeners, &all, |set, _| {
-        oracle_rules.apply(&topo.istio(set))
-    });
+    let oracle = collect(
+        &env,
+        &topo,
+        &mut listeners,
+        &all,
+        |set, _| oracle_rules.apply(&topo.istio(set)),
+        |_| Ok(()),
+    );
     let oracle = match oracle {
         Ok(o) => o,
         Err(e) => bail!("{e:#}\nrules at the failure:\n{}", oracle_rules.dump()),
@@ -235,7 +260,7 @@ fn parity_with_istio_iptables() -> Result<()> {
 
     // The table: one sidestep column per inbound hook, each judged against the oracle.
     let mut rows = Vec::new();
-    let mut counts = [[0usize; 5]; HOOKS.len()];
+    let mut counts = [[0usize; 4]; HOOKS.len()];
     let mut failures = Vec::new();
     for (i, sc) in all.iter().enumerate() {
         let mut row = vec![
@@ -246,12 +271,11 @@ fn parity_with_istio_iptables() -> Result<()> {
         ];
         let mut statuses = Vec::new();
         for (h, outcomes) in by_hook.iter().enumerate() {
-            let (verdict, want) = judge(sc, &oracle[i], &outcomes[i], &topo.names, HOOKS[h]);
+            let (verdict, want) = judge(sc, &oracle[i], &outcomes[i], &topo.names);
             statuses.push(match verdict {
                 Verdict::Match => "match".to_owned(),
                 Verdict::MatchG => "match (G)".to_owned(),
                 Verdict::Intended(why) => format!("intended: {}", why.reason()),
-                Verdict::KnownGap(g) => format!("KNOWN GAP {}: {}", HOOKS[h], g.reason()),
                 Verdict::Mismatch => format!(
                     "MISMATCH {} (want {})",
                     HOOKS[h],
@@ -263,7 +287,6 @@ fn parity_with_istio_iptables() -> Result<()> {
                 Verdict::MatchG => 1,
                 Verdict::Intended(_) => 2,
                 Verdict::Mismatch => 3,
-                Verdict::KnownGap(_) => 4,
             }] += 1;
             if verdict == Verdict::Mismatch && !failures.contains(&(i + 1)) {
                 failures.push(i + 1);
@@ -298,13 +321,12 @@ fn parity_with_istio_iptables() -> Result<()> {
     ));
     for (h, c) in counts.iter().enumerate() {
         text.push_str(&format!(
-            "{}: {} scenarios: {} match, {} match (G), {} intended, {} known gap, {} mismatch\n",
+            "{}: {} scenarios: {} match, {} match (G), {} intended, {} mismatch\n",
             HOOKS[h],
             all.len(),
             c[0],
             c[1],
             c[2],
-            c[4],
             c[3],
         ));
     }
@@ -332,4 +354,49 @@ fn parity_with_istio_iptables() -> Result<()> {
         "scenarios {failures:?} differ (see the table)"
     );
     Ok(())
+}
+
+/// `sidestep follow-addresses` on `pod`, once it says it follows it.
+fn follow_addresses(env: &TestEnv, loaded: &Loaded, pod: &Pod) -> Result<ChildGuard> {
+    let bin = sidestep_tests::sidestep::sidestep_bin();
+    let bin = bin.to_str().context("sidestep path")?;
+    let pin_root = loaded.pin_root().display().to_string();
+    let netns = pod.netns_path.display().to_string();
+    let argv = [
+        bin,
+        "follow-addresses",
+        "--pin-root",
+        &pin_root,
+        "--netns",
+        &netns,
+    ];
+    let follower = env.spawn(Spawn::new(&argv))?;
+    wait_output(&follower, "following", |out| out.contains("following "))?;
+    Ok(follower)
+}
+
+/// Until the follower has put every one of `late` in the map.
+fn wait_followed(follower: &ChildGuard, late: &[std::net::IpAddr]) -> Result<()> {
+    wait_output(follower, "the late addresses", |out| {
+        late.iter().all(|ip| {
+            out.lines()
+                .any(|l| l.contains("added") && l.contains(&ip.to_string()))
+        })
+    })
+}
+
+fn wait_output(follower: &ChildGuard, what: &str, done: impl Fn(&str) -> bool) -> Result<()> {
+    let deadline = Instant::now() + sidestep_tests::scaled(std::time::Duration::from_secs(5));
+    loop {
+        let out = follower.stdout();
+        if done(&out) {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "sidestep follow-addresses did not report {what}: stdout {out:?}, stderr {:?}",
+            follower.stderr()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }

@@ -8,7 +8,7 @@
 //! the cookie (the safety net, for callers that do not know what was written), and by deleting
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
-mod facts;
+pub(crate) mod facts;
 mod passthrough;
 mod unenroll;
 

@@ -1,6 +1,7 @@
 //! sidestep's userspace: loader, pin manager, policy model and enrolment, shared by the
 //! `sidestep` CLI/agent and the `sidestep-cni` plugin.
 
+pub mod addrfollow;
 pub mod agent;
 pub mod enroll;
 pub mod error;

@@ -64,6 +64,16 @@ enum Command {
         #[arg(long)]
         netns: PathBuf,
     },
+    /// Follow the addresses enrolled netns gain and lose after enrolment (SLAAC, DHCP, a later
+    /// plugin), so that they are captured as the pod's own; runs until SIGTERM. The agent does
+    /// this for every pod the CNI plugin enrolled; this is for netns enrolled by hand.
+    FollowAddresses {
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        /// An enrolled netns to follow (repeatable).
+        #[arg(long = "netns", required = true)]
+        netns: Vec<PathBuf>,
+    },
     /// Show programs, attachments, enrolled pods and counters.
     Status {
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
@@ -260,6 +270,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 netns.display()
             );
         }
+        Command::FollowAddresses { pin_root, netns } => follow_addresses(&pin_root, netns),
         Command::Status { pin_root, json } => {
             // The pins are root-only: without access every pin would look absent, and "not
             // loaded" would be a lie.
@@ -280,6 +291,44 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One line on stdout per change, for scripts and tests to wait on.
+fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
+    use sidestep::addrfollow::{self, FollowEvent};
+    let wanted: std::collections::BTreeSet<PathBuf> = netns.into_iter().collect();
+    addrfollow::follow(
+        pin_root,
+        std::time::Duration::from_secs(1),
+        || wanted.clone(),
+        || true,
+        |event| match event {
+            FollowEvent::Started(f) => println!(
+                "following {} (netns cookie {})",
+                f.path().display(),
+                f.cookie()
+            ),
+            FollowEvent::Synced(f, s) => {
+                if s.changed() {
+                    println!(
+                        "{}: added {:?}, removed {:?}",
+                        f.path().display(),
+                        s.added,
+                        s.removed
+                    );
+                }
+                for (ip, owner) in &s.held_by_others {
+                    tracing::warn!(%ip, owner, "address held by another pod; left to it");
+                }
+            }
+            FollowEvent::Stopped { path, removed } => {
+                println!("stopped following {} ({removed} removed)", path.display());
+            }
+            FollowEvent::Failed { path, error } => {
+                tracing::warn!(netns = %path.display(), "{error}");
+            }
+        },
+    );
 }
 
 fn main() -> ExitCode {

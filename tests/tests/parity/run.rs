@@ -15,7 +15,7 @@ use sidestep_tests::{
 };
 
 use crate::ifaces::Ifaces;
-use crate::table::{Dst, Fam, Gap, Intended, Set, Src, TABLE, sets};
+use crate::table::{Dst, Fam, Intended, Set, Src, TABLE, sets};
 use crate::{APP_UID, CONNECT_TIMEOUT_MS, OTHER_UID, PROXY_UID, probe};
 
 pub(super) struct Topology {
@@ -224,7 +224,6 @@ pub(super) struct Scenario {
     pub(super) dst: SocketAddr,
     pub(super) fam: Fam,
     pub(super) intended: Option<Intended>,
-    pub(super) gap: Option<Gap>,
 }
 
 pub(super) fn scenarios(topo: &Topology) -> Result<Vec<Scenario>> {
@@ -237,7 +236,6 @@ pub(super) fn scenarios(topo: &Topology) -> Result<Vec<Scenario>> {
                 dst: topo.dest(r.from, r.to, *fam, r.port)?,
                 fam: *fam,
                 intended: r.intended,
-                gap: r.gap,
             });
         }
     }
@@ -307,6 +305,7 @@ pub(super) fn collect(
     listeners: &mut Listeners,
     all: &[Scenario],
     mut configure: impl FnMut(Set, &mut Listeners) -> Result<()>,
+    mut late_added: impl FnMut(&[std::net::IpAddr]) -> Result<()>,
 ) -> Result<Vec<Outcome>> {
     let mut out = Vec::with_capacity(all.len());
     for set in sets() {
@@ -314,6 +313,7 @@ pub(super) fn collect(
         // Added after the enrolment (and after the oracle's rules, which do not care).
         if set == Set::LateAddrs {
             topo.x.add_late(&topo.s)?;
+            late_added(&[topo.x.late4.into(), topo.x.late6.into()])?;
         }
         for sc in all.iter().filter(|s| s.set == set) {
             let o = run_one(env, topo, listeners, sc).with_context(|| {

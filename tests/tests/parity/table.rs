@@ -180,38 +180,6 @@ pub(super) struct Row {
     pub(super) port: u16,
     pub(super) fams: &'static [Fam],
     pub(super) intended: Option<Intended>,
-    pub(super) gap: Option<Gap>,
-}
-
-/// A difference from Istio that is an open product gap, not a design choice: the table prints it
-/// as such and the test does not fail on it, for the hooks it names only. Each is listed in
-/// ARCHITECTURE.md's known gaps, and none lets a client outside the pod reach the app around
-/// the proxy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Gap {
-    /// tc hook: a SYN to an address added after enrolment is not attributed by tc, and the
-    /// sk_lookup run it falls to does not know a proxy listener opened before enrolment, so the
-    /// connection is refused (fail closed) where Istio captures it.
-    LateAddressTc,
-    /// connect's "destination on the pod" (`-o lo`) knows the addresses enrolment saw: the app
-    /// calling a later address is captured to 15001, and the proxy calling it is not hairpinned.
-    LateAddressOutbound,
-}
-
-impl Gap {
-    pub(super) fn reason(self) -> &'static str {
-        match self {
-            Gap::LateAddressTc => "late address refused (fail closed), istio captures",
-            Gap::LateAddressOutbound => "late address not known as the pod's own outbound",
-        }
-    }
-
-    pub(super) fn hooks(self) -> &'static [&'static str] {
-        match self {
-            Gap::LateAddressTc => &["tc"],
-            Gap::LateAddressOutbound => &["tc", "sk_lookup"],
-        }
-    }
 }
 
 const fn row(set: Set, from: Src, to: Dst, port: u16, fams: &'static [Fam]) -> Row {
@@ -222,7 +190,6 @@ const fn row(set: Set, from: Src, to: Dst, port: u16, fams: &'static [Fam]) -> R
         port,
         fams,
         intended: None,
-        gap: None,
     }
 }
 
@@ -231,10 +198,6 @@ const fn mark(r: Row, why: Intended) -> Row {
         intended: Some(why),
         ..r
     }
-}
-
-const fn gap(r: Row, g: Gap) -> Row {
-    Row { gap: Some(g), ..r }
 }
 
 use Fam::{Mapped, V4, V6};
@@ -408,10 +371,11 @@ pub(super) const TABLE: &[Row] = {
         row(Tproxy, Net1Pod, SelfNet1, 8080, BOTH),
 
         // An address added to eth0 after enrolment (DHCP, SLAAC, another plugin).
-        gap(mark(row(LateAddrs, OtherPod, SelfLate, 8080, BOTH), SkAssign), Gap::LateAddressTc),
-        gap(mark(row(LateAddrs, Src::Node, SelfLate, 8080, V4_ONLY), SkAssign), Gap::LateAddressTc),
-        gap(row(LateAddrs, Proxy, SelfLate, 8080, BOTH), Gap::LateAddressOutbound),
-        gap(row(LateAddrs, App, SelfLate, 8080, BOTH), Gap::LateAddressOutbound),
+        // Followed by `sidestep follow-addresses` (the agent's address follower).
+        mark(row(LateAddrs, OtherPod, SelfLate, 8080, BOTH), SkAssign),
+        mark(row(LateAddrs, Src::Node, SelfLate, 8080, V4_ONLY), SkAssign),
+        row(LateAddrs, Proxy, SelfLate, 8080, BOTH),
+        row(LateAddrs, App, SelfLate, 8080, BOTH),
         // ... and net1 captured again once an enrolment no longer excludes it.
         mark(row(LateAddrs, Net1Pod, SelfNet1, 8080, V4_ONLY), SkAssign),
         row(LateAddrs, App, Net1Peer, 80, V4_ONLY),

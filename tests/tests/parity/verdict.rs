@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use sidestep_tests::parity::{Names, Outcome};
 
 use crate::run::Scenario;
-use crate::table::{Fam, Gap, Intended, Src};
+use crate::table::{Fam, Intended, Src};
 
 /// Whether the accepting listener is in the subject pod (where sidestep answers getsockopt).
 fn in_subject(o: &Outcome) -> bool {
@@ -95,28 +95,10 @@ pub(super) enum Verdict {
     Match,
     MatchG,
     Intended(Intended),
-    /// A mismatch on a row marked with an open gap for this hook.
-    KnownGap(Gap),
     Mismatch,
 }
 
 pub(super) fn judge(
-    sc: &Scenario,
-    oracle: &Outcome,
-    ss: &Outcome,
-    names: &Names,
-    hook: &str,
-) -> (Verdict, Option<Outcome>) {
-    let (verdict, want) = judge_row(sc, oracle, ss, names);
-    match sc.gap {
-        Some(g) if verdict == Verdict::Mismatch && g.hooks().contains(&hook) => {
-            (Verdict::KnownGap(g), want)
-        }
-        _ => (verdict, want),
-    }
-}
-
-fn judge_row(
     sc: &Scenario,
     oracle: &Outcome,
     ss: &Outcome,

@@ -56,6 +56,9 @@ pub struct AgentCounters {
     /// Uncaptured pods repair deleted (`repair-mode: delete`) and labelled (`label`).
     pub repair_deleted: AtomicU64,
     pub repair_labelled: AtomicU64,
+    /// Addresses the pods gained and lost after enrolment, followed into `SIDESTEP_ADDRS`.
+    pub late_addresses_added: AtomicU64,
+    pub late_addresses_removed: AtomicU64,
     /// The readiness taint is off this node (`readiness-taint`).
     pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
@@ -321,6 +324,16 @@ pub fn render(
             "sidestep_repair_labelled_pods",
             "Uncaptured pods repair labelled sidestep.io/uninitialized=true (repair-mode: label)",
             &counters.repair_labelled,
+        ),
+        (
+            "sidestep_late_addresses_added",
+            "Addresses pods gained after enrolment, registered as theirs (captured as the pod's own)",
+            &counters.late_addresses_added,
+        ),
+        (
+            "sidestep_late_addresses_removed",
+            "Addresses registered after enrolment and removed again (the pod lost them, or went)",
+            &counters.late_addresses_removed,
         ),
         (
             "sidestep_reconcile_errors",

@@ -12,6 +12,7 @@
 //! SIGTERM (a restart or an upgrade) leaves programs, pins and CNI configuration in place, so
 //! pods keep their capture; `sidestep uninstall` removes everything.
 
+mod addrwatch;
 pub mod apiclient;
 pub mod args;
 pub mod capabilities;

@@ -1,0 +1,343 @@
+//! Following the addresses a pod netns gains and loses after its enrolment (SLAAC, DHCP, a
+//! later CNI plugin, `ip addr add`).
+//!
+//! Istio decides "the pod calling itself" by `-o lo` and captures inbound with no `-d`, so both
+//! hold for whatever addresses the netns has *now*. The data path reads them from
+//! `SIDESTEP_ADDRS`: connect's local-destination test, and the tc hook's attribution of a SYN to
+//! its pod. Enrolment writes the addresses it saw; an [`AddressFollower`] keeps the map in step
+//! afterwards. It holds a NETLINK_ROUTE socket created inside the pod netns and subscribed to
+//! its address notifications; each notification makes it read the netns's addresses again (the
+//! notifications themselves are not trusted to be complete: the socket may overrun).
+//!
+//! What a follower writes, it owns: it never takes an address that another live pod holds (as
+//! enrolment does not), and it removes only entries it added that still name its pod. Entries it
+//! added outlive it only if it dies with them in place; they name a cookie that no pod will have
+//! again (netns cookies are not reused), which the data path treats as "not this pod", and
+//! `unenroll_cookie` (the agent's GC) removes them.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    net::IpAddr,
+    os::fd::{AsFd, BorrowedFd},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+use crate::{
+    error::{MapsError, NetnsError},
+    maps::PolicyMaps,
+    netns::Netns,
+    policy::{address_words, words_address},
+};
+
+/// `RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR` (linux/rtnetlink.h).
+const ADDRESS_GROUPS: u32 = 0x10 | 0x100;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FollowError {
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error("cannot subscribe to the address changes of {path}: {source}")]
+    Subscribe { path: PathBuf, source: io::Error },
+    #[error("reading the address changes of {path}: {source}")]
+    Receive { path: PathBuf, source: io::Error },
+}
+
+/// What one [`AddressFollower::sync`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Synced {
+    pub added: Vec<IpAddr>,
+    pub removed: Vec<IpAddr>,
+    /// Addresses of the netns that another live pod holds in the map (left to it).
+    pub held_by_others: Vec<(IpAddr, u64)>,
+    /// The netns is not enrolled (any more, or not yet): nothing of it is in the map.
+    pub unenrolled: bool,
+}
+
+impl Synced {
+    pub fn changed(&self) -> bool {
+        !self.added.is_empty() || !self.removed.is_empty()
+    }
+}
+
+/// One pod netns's address subscription, and the map entries it added.
+pub struct AddressFollower {
+    netns: Netns,
+    cookie: u64,
+    socket: Socket,
+    added: BTreeSet<[u32; 4]>,
+}
+
+impl AddressFollower {
+    /// Subscribes to the address changes of the netns at `path`. The socket lives in that netns
+    /// and keeps it alive until the follower is dropped.
+    pub fn open(path: &Path) -> Result<Self, FollowError> {
+        let netns = Netns::open(path)?;
+        let cookie = netns.cookie()?;
+        let socket = netns
+            .run(|| {
+                let mut socket = Socket::new(NETLINK_ROUTE)?;
+                socket.bind(&SocketAddr::new(0, ADDRESS_GROUPS))?;
+                socket.set_non_blocking(true)?;
+                Ok(socket)
+            })
+            .map_err(|e| match e {
+                NetnsError::Enter { path, source } if source.raw_os_error().is_some() => {
+                    FollowError::Subscribe { path, source }
+                }
+                other => other.into(),
+            })?;
+        Ok(Self {
+            netns,
+            cookie,
+            socket,
+            added: BTreeSet::new(),
+        })
+    }
+
+    pub fn cookie(&self) -> u64 {
+        self.cookie
+    }
+
+    pub fn path(&self) -> &Path {
+        self.netns.path()
+    }
+
+    /// The subscription socket, readable when the netns's addresses changed.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+
+    /// Reads and discards the pending notifications. Returns whether there were any; an overrun
+    /// (ENOBUFS: notifications were lost) counts as a change.
+    pub fn drain(&mut self) -> Result<bool, FollowError> {
+        let mut buf = vec![0u8; 16384];
+        let mut any = false;
+        loop {
+            match self.socket.recv(&mut &mut buf[..], 0) {
+                Ok(0) => return Ok(any),
+                Ok(_) => any = true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => any = true,
+                Err(source) => {
+                    return Err(FollowError::Receive {
+                        path: self.path().to_path_buf(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Makes `SIDESTEP_ADDRS` hold every address the netns has now (lo's aside: the programs
+    /// know loopback themselves), for this pod, and drops the entries this follower added for
+    /// addresses the netns no longer has.
+    pub fn sync(&mut self, maps: &mut PolicyMaps) -> Result<Synced, FollowError> {
+        let mut synced = Synced::default();
+        if !maps.is_enrolled(self.cookie)? {
+            synced.removed = self.release(maps)?;
+            synced.unenrolled = true;
+            return Ok(synced);
+        }
+        let now: BTreeSet<[u32; 4]> = crate::enroll::facts::read(&self.netns, false)?
+            .addresses
+            .iter()
+            .map(|(_, ip)| address_words(ip))
+            .collect();
+        for words in &now {
+            match maps.addresses.get(words, 0) {
+                Ok(owner) if owner == self.cookie => continue,
+                Ok(owner) if maps.is_enrolled(owner)? => {
+                    synced.held_by_others.push((words_address(words), owner));
+                    continue;
+                }
+                _ => {}
+            }
+            maps.addresses
+                .insert(words, self.cookie, 0)
+                .map_err(|e| crate::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e))?;
+            self.added.insert(*words);
+            synced.added.push(words_address(words));
+        }
+        let gone: Vec<[u32; 4]> = self.added.difference(&now).copied().collect();
+        for words in gone {
+            if self.remove_own(maps, &words)? {
+                synced.removed.push(words_address(&words));
+            }
+            self.added.remove(&words);
+        }
+        Ok(synced)
+    }
+
+    /// Removes every entry this follower added that still names its pod.
+    pub fn release(&mut self, maps: &mut PolicyMaps) -> Result<Vec<IpAddr>, FollowError> {
+        let mut removed = Vec::new();
+        for words in std::mem::take(&mut self.added) {
+            if self.remove_own(maps, &words)? {
+                removed.push(words_address(&words));
+            }
+        }
+        Ok(removed)
+    }
+
+    fn remove_own(&self, maps: &mut PolicyMaps, words: &[u32; 4]) -> Result<bool, FollowError> {
+        if maps.addresses.get(words, 0).ok() != Some(self.cookie) {
+            return Ok(false);
+        }
+        match maps.addresses.remove(words) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => {
+                Err(crate::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e).into())
+            }
+        }
+    }
+}
+
+/// Something a [`follow`] loop did, for its caller to log or count.
+pub enum FollowEvent<'a> {
+    Started(&'a AddressFollower),
+    Synced(&'a AddressFollower, &'a Synced),
+    Stopped {
+        path: &'a Path,
+        removed: usize,
+    },
+    Failed {
+        path: &'a Path,
+        error: &'a FollowError,
+    },
+}
+
+/// Follows the netns that `wanted` names, re-asked every `refresh` (a follower starts for each
+/// new path and stops, releasing its entries, for each path no longer named), until `keep_going`
+/// says no. Blocks the calling thread; the agent runs it on a thread of its own.
+pub fn follow(
+    pin_root: &Path,
+    refresh: Duration,
+    mut wanted: impl FnMut() -> BTreeSet<PathBuf>,
+    mut keep_going: impl FnMut() -> bool,
+    mut on: impl FnMut(FollowEvent<'_>),
+) {
+    let mut followers: BTreeMap<PathBuf, AddressFollower> = BTreeMap::new();
+    // Paths that failed to open: retried at the next refresh, reported once.
+    let mut failed: BTreeSet<PathBuf> = BTreeSet::new();
+    while keep_going() {
+        let want = wanted();
+        let maps = PolicyMaps::open(pin_root);
+        let mut maps = match maps {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::debug!(error = %e, "address follower: maps not open");
+                None
+            }
+        };
+        let stale: Vec<PathBuf> = followers
+            .keys()
+            .filter(|p| !want.contains(*p))
+            .cloned()
+            .collect();
+        for path in stale {
+            let Some(mut f) = followers.remove(&path) else {
+                continue;
+            };
+            let removed = maps
+                .as_mut()
+                .and_then(|m| f.release(m).ok())
+                .map_or(0, |r| r.len());
+            on(FollowEvent::Stopped {
+                path: &path,
+                removed,
+            });
+        }
+        failed.retain(|p| want.contains(p));
+        for path in want {
+            if followers.contains_key(&path) {
+                continue;
+            }
+            match AddressFollower::open(&path) {
+                Ok(mut f) => {
+                    failed.remove(&path);
+                    on(FollowEvent::Started(&f));
+                    // What changed between enrolment and now.
+                    sync_one(&mut f, maps.as_mut(), &mut on);
+                    followers.insert(path, f);
+                }
+                Err(error) => {
+                    if failed.insert(path.clone()) {
+                        on(FollowEvent::Failed {
+                            path: &path,
+                            error: &error,
+                        });
+                    }
+                }
+            }
+        }
+        let ready = wait_readable(&followers, refresh);
+        for path in ready {
+            let Some(f) = followers.get_mut(&path) else {
+                continue;
+            };
+            match f.drain() {
+                Ok(true) => sync_one(f, maps.as_mut(), &mut on),
+                Ok(false) => {}
+                Err(error) => on(FollowEvent::Failed {
+                    path: &path,
+                    error: &error,
+                }),
+            }
+        }
+    }
+    if let Ok(mut maps) = PolicyMaps::open(pin_root) {
+        for f in followers.values_mut() {
+            let _ = f.release(&mut maps);
+        }
+    }
+}
+
+fn sync_one(
+    f: &mut AddressFollower,
+    maps: Option<&mut PolicyMaps>,
+    on: &mut impl FnMut(FollowEvent<'_>),
+) {
+    let Some(maps) = maps else {
+        return;
+    };
+    match f.sync(maps) {
+        Ok(synced) => on(FollowEvent::Synced(f, &synced)),
+        Err(error) => on(FollowEvent::Failed {
+            path: f.path(),
+            error: &error,
+        }),
+    }
+}
+
+/// The followers whose socket is readable within `timeout`.
+fn wait_readable(
+    followers: &BTreeMap<PathBuf, AddressFollower>,
+    timeout: Duration,
+) -> Vec<PathBuf> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    if followers.is_empty() {
+        std::thread::sleep(timeout);
+        return Vec::new();
+    }
+    let mut fds: Vec<PollFd<'_>> = followers
+        .values()
+        .map(|f| PollFd::new(f.fd(), PollFlags::POLLIN))
+        .collect();
+    let timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+    if !matches!(poll(&mut fds, timeout), Ok(n) if n > 0) {
+        return Vec::new();
+    }
+    followers
+        .keys()
+        .zip(&fds)
+        .filter(|(_, p)| p.revents().is_some_and(|r| !r.is_empty()))
+        .map(|(path, _)| path.clone())
+        .collect()
+}

@@ -1,0 +1,95 @@
+//! The agent's address follower: every pod the plugin enrolled (a state record with this pin
+//! root) has its netns's later addresses kept in `SIDESTEP_ADDRS` ([`crate::addrfollow`]), from
+//! within a second of its ADD until its DEL removes the record.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
+
+use super::{Agent, pods};
+use crate::addrfollow::{self, FollowEvent};
+
+/// How often the set of followed pods is read again from the records.
+const REFRESH: Duration = Duration::from_secs(1);
+
+/// Runs on a thread of its own for the agent's life.
+pub fn spawn(agent: Arc<Agent>) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("addrwatch".into())
+        .spawn(move || run(&agent))
+}
+
+fn run(agent: &Agent) {
+    let s = &agent.settings;
+    // Record file name -> the netns path as the agent sees it; records are read once each.
+    let mut known: BTreeMap<String, Option<PathBuf>> = BTreeMap::new();
+    let wanted = || {
+        let names: BTreeSet<String> = pods::record_names(&s.state_dir).into_iter().collect();
+        known.retain(|n, _| names.contains(n));
+        for name in names {
+            known
+                .entry(name)
+                .or_insert_with_key(|name| netns_of(agent, &s.state_dir.join(name)));
+        }
+        known.values().flatten().cloned().collect()
+    };
+    let counters = &agent.counters;
+    addrfollow::follow(
+        &s.pin_root,
+        REFRESH,
+        wanted,
+        || true,
+        |event| match event {
+            FollowEvent::Started(f) => {
+                tracing::debug!(netns = %f.path().display(), netns_cookie = f.cookie(), "following the pod's addresses");
+            }
+            FollowEvent::Synced(f, synced) => {
+                if synced.changed() {
+                    tracing::info!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        added = ?synced.added,
+                        removed = ?synced.removed,
+                        "the pod's addresses changed after its enrolment"
+                    );
+                }
+                counters
+                    .late_addresses_added
+                    .fetch_add(synced.added.len() as u64, Ordering::Relaxed);
+                counters
+                    .late_addresses_removed
+                    .fetch_add(synced.removed.len() as u64, Ordering::Relaxed);
+                for (ip, owner) in &synced.held_by_others {
+                    tracing::warn!(
+                        netns = %f.path().display(),
+                        %ip,
+                        owner_netns_cookie = owner,
+                        "an address of this pod is registered to another live pod; it stays with that pod"
+                    );
+                }
+            }
+            FollowEvent::Stopped { path, removed } => {
+                counters
+                    .late_addresses_removed
+                    .fetch_add(removed as u64, Ordering::Relaxed);
+                tracing::debug!(netns = %path.display(), removed, "stopped following the pod's addresses");
+            }
+            FollowEvent::Failed { path, error } => {
+                tracing::warn!(netns = %path.display(), error = %error, "following the pod's addresses");
+            }
+        },
+    );
+}
+
+/// The netns of a record of this agent's pin root, as the agent sees the path.
+fn netns_of(agent: &Agent, record: &std::path::Path) -> Option<PathBuf> {
+    let s = &agent.settings;
+    let r: pods::Record = serde_json::from_slice(&std::fs::read(record).ok()?).ok()?;
+    if r.pin_root.as_deref().is_some_and(|p| p != s.pin_root) {
+        return None;
+    }
+    Some(pods::agent_view(&r.netns, &s.proc_dir))
+}
