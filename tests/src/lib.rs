@@ -33,6 +33,7 @@ pub mod nginx;
 pub mod node;
 pub mod parity;
 pub mod pod;
+pub mod podapi;
 pub mod podman;
 pub mod process;
 pub mod sidestep;

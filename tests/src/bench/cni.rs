@@ -10,23 +10,31 @@
 //! stdin a Kubernetes runtime gives it: CNI_* variables, K8S_* args, a prevResult naming the
 //! interface and address, and the pod annotations in runtimeConfig, so it reads no API.
 //!
+//! istio-cni reads the Pod from the API server on every ADD, so a fifth lane measures what
+//! that costs: sidestep-cni with `pod_source: api` GETs the Pod from a local API server
+//! ([`PodApi`], plain HTTP on loopback) before its ADD, and the two iptables lanes get the same
+//! GET (a fresh connection, the request and the decoded answer, timed in this process) added to
+//! their install, which is what istio-cni pays besides its own process.
+//!
 //! Both iptables back ends are measured, nf_tables (what `iptables-restore` is on this machine
 //! and what current Istio picks on such a host) and legacy, and the target is judged against
 //! the faster of the two.
 
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 
 use crate::env::TestEnv;
 use crate::istio_iptables::IstioCapture;
 use crate::netns;
+use crate::podapi::PodApi;
 use crate::sidestep::cni_bin;
 
 /// Annotations of a pod that Istio's injector has processed (what the runtime passes in
@@ -36,6 +44,28 @@ pub fn injected_annotations() -> Value {
         "sidecar.istio.io/status": "{\"initContainers\":null,\"containers\":[\"istio-proxy\"],\"volumes\":[\"istio-envoy\"],\"imagePullSecrets\":null,\"revision\":\"default\"}",
         "kubectl.kubernetes.io/default-container": "app",
         "prometheus.io/scrape": "true",
+    })
+}
+
+/// The Pod the API lane's ADDs read: what an injected pod's spec holds that decides its
+/// capture (the proxy container with its UID and args, the injector's annotations).
+pub fn injected_pod(namespace: &str, name: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": "5e5e5e5e-0000-4000-8000-000000000001",
+                     "labels": {"app": name, "security.istio.io/tlsMode": "istio"},
+                     "annotations": injected_annotations()},
+        "spec": {
+            "nodeName": "bench",
+            "containers": [
+                {"name": "app", "image": "nginx", "ports": [{"containerPort": 80}]},
+                {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.28.0",
+                 "args": ["proxy", "sidecar", "--domain", "$(POD_NAMESPACE).svc.cluster.local"],
+                 "env": [{"name": "ISTIO_META_DNS_CAPTURE", "value": "false"}],
+                 "securityContext": {"runAsUser": 1337, "runAsGroup": 1337}}
+            ]
+        },
+        "status": {"phase": "Pending"}
     })
 }
 
@@ -49,6 +79,16 @@ pub struct CniBench {
     /// The same two with `inbound_hook: tc` (plus a TCX link on eth0).
     pub add_tc_ms: Vec<f64>,
     pub del_tc_ms: Vec<f64>,
+    /// The default ADD and its DEL with `pod_source: api`: the Pod read from the API first.
+    pub add_api_ms: Vec<f64>,
+    pub del_api_ms: Vec<f64>,
+    /// Milliseconds of the in-process GET of the same Pod that precedes each iptables install.
+    pub get_ms: Vec<f64>,
+    /// Each iptables install plus the GET before it (what istio-cni pays, without its process).
+    pub nft_get_ms: Vec<f64>,
+    pub legacy_get_ms: Vec<f64>,
+    /// Size of the Pod's JSON the API answers with.
+    pub api_pod_bytes: usize,
     /// Milliseconds per Istio install with iptables-nft-restore + ip6tables-nft-restore.
     pub nft_ms: Vec<f64>,
     /// The same with the legacy back end.
@@ -186,6 +226,9 @@ pub struct PluginCall<'a> {
     pub cidr: &'a str,
     /// The plugin's `inbound_hook` (`None`: its default, sk_lookup).
     pub inbound_hook: Option<&'a str>,
+    /// `Some`: no runtime annotations; the plugin reads the Pod through this kubeconfig
+    /// (`pod_source: api`).
+    pub kubeconfig: Option<&'a Path>,
 }
 
 impl PluginCall<'_> {
@@ -207,6 +250,12 @@ impl PluginCall<'_> {
         });
         if let Some(hook) = self.inbound_hook {
             conf["inbound_hook"] = json!(hook);
+        }
+        if let (Some(kubeconfig), Some(obj)) = (self.kubeconfig, conf.as_object_mut()) {
+            obj.remove("capabilities");
+            obj.remove("runtimeConfig");
+            obj.insert("pod_source".into(), json!("api"));
+            obj.insert("kubernetes".into(), json!({"kubeconfig": kubeconfig}));
         }
         serde_json::to_vec(&conf).expect("JSON")
     }
@@ -297,6 +346,82 @@ fn fs_type(path: &Path) -> String {
         .unwrap_or_default()
 }
 
+/// One GET of `path` over a fresh connection, as a plugin process makes it, with the answer
+/// decoded; its duration.
+fn get_once(addr: SocketAddr, path: &str) -> Result<Duration> {
+    let t = Instant::now();
+    let mut conn = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+    conn.set_nodelay(true)?;
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\n\
+         Authorization: Bearer sidestep-test-token\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer)?;
+    let body = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| &answer[i + 4..])
+        .context("GET: no HTTP body")?;
+    let pod: Value = serde_json::from_slice(body).context("GET: the Pod's JSON")?;
+    let took = t.elapsed();
+    ensure!(
+        answer.starts_with(b"HTTP/1.1 200") && pod["kind"] == "Pod",
+        "GET {path}: {}",
+        String::from_utf8_lossy(&answer[..answer.len().min(200)])
+    );
+    Ok(took)
+}
+
+/// A kubeconfig for `api` that names a cluster CA, as every real one does (the agent writes the
+/// service account's). Without a CA, kube's client loads the host's native root certificates
+/// on every start (about 5 ms here, 150 files), which no node's plugin pays. The CA is a fresh
+/// self-signed one; the server speaks plain HTTP, so it only has to parse.
+fn kubeconfig_with_ca(api: &PodApi, dir: &Path) -> Result<PathBuf> {
+    let (key, cert) = (dir.join("bench-ca.key"), dir.join("bench-ca.crt"));
+    let out = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+        ])
+        .args([
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=sidestep-bench-ca",
+            "-keyout",
+        ])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .context("spawn openssl")?;
+    ensure!(
+        out.status.success(),
+        "openssl req: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let path = dir.join("bench-kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: b\n\
+             clusters: [{{name: b, cluster: {{server: 'http://{}', certificate-authority: '{}'}}}}]\n\
+             contexts: [{{name: b, context: {{cluster: b, user: b}}}}]\n\
+             users: [{{name: b, user: {{token: sidestep-test-token}}}}]\n",
+            api.addr,
+            cert.display()
+        ),
+    )?;
+    Ok(path)
+}
+
 fn restore_pair(netns: &Path, variant: &str, v4: &[u8], v6: &[u8]) -> Result<Duration> {
     let mut total = Duration::ZERO;
     for (tool, rules) in [("iptables", v4), ("ip6tables", v6)] {
@@ -307,9 +432,10 @@ fn restore_pair(netns: &Path, variant: &str, v4: &[u8], v6: &[u8]) -> Result<Dur
     Ok(total)
 }
 
-/// `runs` timed runs of each of ADD+DEL (default sk_lookup hook), ADD+DEL (tc hook), nft install
-/// and legacy install (after two untimed warm-up rounds), rotating their order every round. One
-/// other pod stays enrolled throughout.
+/// `runs` timed runs of each of ADD+DEL (default sk_lookup hook), ADD+DEL (tc hook), ADD+DEL
+/// with the Pod from the API, nft install and legacy install (each install after the API GET),
+/// after two untimed warm-up rounds, rotating their order every round. One other pod stays
+/// enrolled throughout.
 pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     let istio = IstioCapture {
         ipv6: true,
@@ -325,6 +451,11 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
         state_fs: fs_type(&state_dir),
         ..CniBench::default()
     };
+    let api_pod = injected_pod("bench", "api-pod");
+    res.api_pod_bytes = api_pod.to_string().len();
+    let api = PodApi::start(env.tmp_dir(), vec![api_pod])?;
+    let kubeconfig = kubeconfig_with_ca(&api, env.tmp_dir())?;
+    let api_path = "/api/v1/namespaces/bench/pods/api-pod";
     let cidr = "100.64.0.2/16";
     let resident_cidr = "100.64.0.3/16";
     let resident_ns = FreshNetns::new(env, "cni-resident", 0, resident_cidr)?;
@@ -338,6 +469,7 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
             pod: "resident",
             cidr: resident_cidr,
             inbound_hook: None,
+            kubeconfig: None,
         },
         _netns: &resident_ns,
     };
@@ -349,13 +481,18 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     let mut n = 0;
     for round in 0..runs + warmup {
         let timed_round = round >= warmup;
-        for k in 0..4 {
+        for k in 0..5 {
             n += 1;
             let ns = FreshNetns::new(env, "cni", n, cidr)?;
-            match (round + k) % 4 {
-                hook @ (0 | 3) => {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            match (round + k) % 5 {
+                lane @ (0 | 3 | 4) => {
                     let cid = container_id("cni", n);
-                    let pod = format!("pod-{n}");
+                    let pod = if lane == 4 {
+                        "api-pod".to_owned()
+                    } else {
+                        format!("pod-{n}")
+                    };
                     let call = PluginCall {
                         pin_root,
                         state_dir: &state_dir,
@@ -363,30 +500,34 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                         container_id: &cid,
                         pod: &pod,
                         cidr,
-                        inbound_hook: (hook == 3).then_some("tc"),
+                        inbound_hook: (lane == 3).then_some("tc"),
+                        kubeconfig: (lane == 4).then_some(kubeconfig.as_path()),
                     };
                     let add = call.run("ADD").context("sidestep-cni ADD")?;
                     let del = call.run("DEL").context("sidestep-cni DEL")?;
                     if timed_round {
-                        let (adds, dels) = if hook == 3 {
-                            (&mut res.add_tc_ms, &mut res.del_tc_ms)
-                        } else {
-                            (&mut res.add_ms, &mut res.del_ms)
+                        let (adds, dels) = match lane {
+                            3 => (&mut res.add_tc_ms, &mut res.del_tc_ms),
+                            4 => (&mut res.add_api_ms, &mut res.del_api_ms),
+                            _ => (&mut res.add_ms, &mut res.del_ms),
                         };
-                        adds.push(add.as_secs_f64() * 1e3);
-                        dels.push(del.as_secs_f64() * 1e3);
+                        adds.push(ms(add));
+                        dels.push(ms(del));
                     }
                 }
-                1 => {
-                    let d = restore_pair(&ns.path, "nft", v4.as_bytes(), v6.as_bytes())?;
+                lane => {
+                    let get = get_once(api.addr, api_path)?;
+                    let variant = if lane == 1 { "nft" } else { "legacy" };
+                    let d = restore_pair(&ns.path, variant, v4.as_bytes(), v6.as_bytes())?;
                     if timed_round {
-                        res.nft_ms.push(d.as_secs_f64() * 1e3);
-                    }
-                }
-                _ => {
-                    let d = restore_pair(&ns.path, "legacy", v4.as_bytes(), v6.as_bytes())?;
-                    if timed_round {
-                        res.legacy_ms.push(d.as_secs_f64() * 1e3);
+                        let (alone, with_get) = if lane == 1 {
+                            (&mut res.nft_ms, &mut res.nft_get_ms)
+                        } else {
+                            (&mut res.legacy_ms, &mut res.legacy_get_ms)
+                        };
+                        alone.push(ms(d));
+                        with_get.push(ms(d + get));
+                        res.get_ms.push(ms(get));
                     }
                 }
             }
@@ -413,6 +554,7 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                 pod: "strace",
                 cidr,
                 inbound_hook: Some("tc"),
+                kubeconfig: None,
             };
             // TCX_INGRESS is attach type 46; strace prints it as a number or by name.
             let attach = call.bpf_call_ms("ADD", "BPF_LINK_CREATE", &out)?;
@@ -433,8 +575,9 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     drop(resident);
     drop(resident_ns);
     eprintln!(
-        "bench: cni: {} ADD/DEL, {} nft and {} legacy installs",
+        "bench: cni: {} ADD/DEL ({} with the API GET), {} nft and {} legacy installs",
         res.add_ms.len(),
+        res.add_api_ms.len(),
         res.nft_ms.len(),
         res.legacy_ms.len()
     );

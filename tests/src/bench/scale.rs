@@ -282,6 +282,7 @@ impl Node {
             pod,
             cidr,
             inbound_hook: None,
+            kubeconfig: None,
         }
     }
 

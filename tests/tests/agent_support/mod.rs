@@ -4,9 +4,8 @@
 
 #![allow(dead_code)]
 
-mod podapi;
 #[allow(unused_imports)]
-pub use podapi::PodApi;
+pub use sidestep_tests::podapi::PodApi;
 
 use std::{
     io::{Read as _, Write as _},

@@ -4,11 +4,12 @@
 //! change after R: ADDED / MODIFIED / DELETED, BOOKMARK lines when asked for, and an ERROR event
 //! with a 410 Status when R is older than what it keeps, as after etcd compaction), and
 //! `GET /api/v1/namespaces/NS/pods/NAME`. Pods can be added and deleted while clients watch.
-//! Stops when dropped.
+//! Stops when dropped. The agent tests and the CNI benchmark's API lane use it; it answers a
+//! request as soon as it arrives (a blocking accept), so its own latency stays in microseconds.
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::{TcpListener, TcpStream},
+    net::{SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     sync::{Arc, Condvar, Mutex, atomic::AtomicBool, atomic::Ordering},
     time::{Duration, Instant},
@@ -41,6 +42,8 @@ struct Shared {
 
 pub struct PodApi {
     pub kubeconfig: PathBuf,
+    /// Where it listens (127.0.0.1).
+    pub addr: SocketAddr,
     shared: Arc<Shared>,
 }
 
@@ -51,8 +54,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl PodApi {
     pub fn start(dir: &Path, pods: Vec<Value>) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
-        let port = listener.local_addr()?.port();
-        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let port = addr.port();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 rv: 1,
@@ -65,17 +68,22 @@ impl PodApi {
         });
         let api = Self {
             kubeconfig: dir.join("api-kubeconfig"),
+            addr,
             shared: shared.clone(),
         };
         for p in pods {
             api.add(p);
         }
         std::thread::spawn(move || {
+            // Drop wakes this accept with a connection of its own once `stop` is set.
             while !shared.stop.load(Ordering::Relaxed) {
                 let Ok((stream, _)) = listener.accept() else {
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
                 };
+                if shared.stop.load(Ordering::Relaxed) {
+                    break;
+                }
                 let shared = shared.clone();
                 std::thread::spawn(move || serve(&shared, stream));
             }
@@ -179,6 +187,7 @@ impl Drop for PodApi {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.changed.notify_all();
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
     }
 }
 
