@@ -7,7 +7,7 @@ mod agent_support;
 
 use std::time::Duration;
 
-use agent_support::{APP_UID, Agent, Dirs, base_args, free_port, meshed, wait_until};
+use agent_support::{APP_UID, Dirs, meshed, wait_until};
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
 use sidestep_tests::{Spawn, TestEnv, skip_unless_root};
@@ -25,11 +25,7 @@ fn addresses_added_after_the_add_are_the_pods_own() -> Result<()> {
     }
     let env = TestEnv::new("agent-addrs")?;
     let d = Dirs::new(&env)?;
-    d.write_primary("10-test.conflist")?;
-    let port = free_port()?;
-    let mut agent = Agent::start(&env, &base_args(&env, &d, port), port)?;
-    agent.wait_ready(Duration::from_secs(30))?;
-    let node = d.node(&env, "10-test.conflist")?;
+    let (agent, node) = d.ready_agent_and_node(&env)?;
     let web = node.add_pod_with("web", meshed())?;
     let listen = |addr: &str, uid: u32| {
         web.spawn(

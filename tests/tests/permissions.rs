@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use agent_support::{Agent, Dirs, base_args, enrolled_cookies, free_port, meshed};
+use agent_support::{Dirs, enrolled_cookies, meshed};
 use anyhow::{Context, Result, ensure};
 use sidestep_tests::{Spawn, TestEnv, sidestep::bin_dir, skip_unless_root};
 
@@ -131,11 +131,7 @@ fn non_root_can_neither_read_nor_change_pins_records_or_kubeconfig() -> Result<(
     }
     let env = TestEnv::new("perm")?;
     let d = Dirs::new(&env)?;
-    d.write_primary("10-test.conflist")?;
-    let port = free_port()?;
-    let mut agent = Agent::start(&env, &base_args(&env, &d, port), port)?;
-    agent.wait_ready(Duration::from_secs(30))?;
-    let node = d.node(&env, "10-test.conflist")?;
+    let (mut agent, node) = d.ready_agent_and_node(&env)?;
     let pod = node.add_pod_with("web", meshed())?;
     let cookie = pod.netns_cookie()?;
     ensure!(enrolled_cookies(&env)? == [cookie]);

@@ -82,6 +82,17 @@ impl Dirs {
             .map_or(0, |p| p.iter().filter(|e| e["type"] == "sidestep").count()))
     }
 
+    /// The usual start of a test that needs pods: a primary network `10-test.conflist`, the
+    /// agent with [`base_args`] on a free port and ready, and a node whose chain it completed.
+    pub fn ready_agent_and_node(&self, env: &TestEnv) -> Result<(Agent, Node)> {
+        self.write_primary("10-test.conflist")?;
+        let port = free_port()?;
+        let mut agent = Agent::start(env, &base_args(env, self, port), port)?;
+        agent.wait_ready(std::time::Duration::from_secs(30))?;
+        let node = self.node(env, "10-test.conflist")?;
+        Ok((agent, node))
+    }
+
     /// A node whose chain is the entry the agent wrote, run from the installed binary.
     pub fn node(&self, env: &TestEnv, file: &str) -> Result<Node> {
         Node::new(
