@@ -242,16 +242,7 @@ impl Sidecar {
     /// Waits until the log contains every needle. HAProxy logs a connection when it ends, a
     /// moment after the client sees it close.
     pub fn wait_log(&self, needles: &[&str], timeout: Duration) -> Result<()> {
-        crate::util::poll(
-            "sidecar log lines",
-            timeout,
-            Duration::from_millis(20),
-            || {
-                let log = self.log();
-                Ok(needles.iter().all(|n| log.contains(n)).then_some(()))
-            },
-        )
-        .with_context(|| format!("wanted {needles:?} in the sidecar log:\n{}", self.log()))
+        self.child.wait_stderr(needles, timeout)
     }
 
     pub fn child(&mut self) -> &mut ChildGuard {

@@ -110,6 +110,27 @@ impl ChildGuard {
         fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
+    /// Waits until stderr contains every needle (a log line written a moment after the event
+    /// the caller saw, such as a proxy's line for a connection that just closed).
+    pub fn wait_stderr(&self, needles: &[&str], timeout: Duration) -> Result<()> {
+        crate::util::poll(
+            "lines on stderr",
+            crate::scaled(timeout),
+            Duration::from_millis(20),
+            || {
+                let text = self.stderr();
+                Ok(needles.iter().all(|n| text.contains(n)).then_some(()))
+            },
+        )
+        .with_context(|| {
+            format!(
+                "{}: wanted {needles:?} on stderr:\n{}",
+                self.label,
+                self.stderr()
+            )
+        })
+    }
+
     pub fn stdout_path(&self) -> &Path {
         &self.stdout_path
     }
