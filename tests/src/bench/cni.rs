@@ -102,6 +102,8 @@ pub struct CniBench {
     /// From a separate pass under strace (untimed): ms the kernel spent in the TCX attach of
     /// each ADD, and in the link detaches (tc and sk_lookup) of each DEL. Empty without strace.
     pub tcx_attach_ms: Vec<f64>,
+    /// TCX attaches one tc-hook ADD made in that pass.
+    pub tcx_attaches: usize,
     pub tcx_detach_ms: Vec<f64>,
 }
 
@@ -566,7 +568,10 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                 .filter(|(l, _)| l.contains("attach_type=0x2e") || l.contains("TCX_INGRESS"))
                 .map(|(_, ms)| ms)
                 .collect();
-            res.tcx_attach_ms.extend(tcx);
+            // Per ADD: one TCX link per captured interface (here eth0 and its peer, which
+            // also lives in the pod netns).
+            res.tcx_attach_ms.push(tcx.iter().sum());
+            res.tcx_attaches = tcx.len();
             // Per DEL: its tc and sk_lookup detaches together.
             let detach = call.bpf_call_ms("DEL", "BPF_LINK_DETACH", &out)?;
             res.tcx_detach_ms.push(detach.iter().sum());

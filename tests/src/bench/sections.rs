@@ -226,15 +226,17 @@ pub fn cni_section(c: &CniBench, date: &str) -> String {
         let _ = writeln!(
             o,
             "Where a tc-hook ADD's time goes (a separate pass of {} ADD/DEL with `inbound_hook: \
-             tc` under `strace -T`, not in the figures above): the TCX attach of the pod's tc \
-             program, one `bpf(BPF_LINK_CREATE)`, \
-             takes {} at p50 ({} of the tc ADD p50), and DEL's `bpf(BPF_LINK_DETACH)` calls (tc and \
+             tc` under `strace -T`, not in the figures above): the TCX attaches of the pod's tc \
+             program, one `bpf(BPF_LINK_CREATE)` per captured interface ({} per ADD here: eth0 \
+             and its veth peer, which stays in the pod netns), \
+             take {} together at p50 ({} of the tc ADD p50), and DEL's `bpf(BPF_LINK_DETACH)` calls (tc and \
              sk_lookup) {} together at p50. The kernel waits for an RCU grace period in every TCX \
              attach and detach (`tcx_entry_sync()`, a plain `synchronize_rcu()`), so this part \
              does not shrink \
              with anything the plugin does; the rest of a tc ADD is {} against a process start-up \
              floor of {}. The sk_lookup hook makes no TCX link.\n",
             c.tcx_attach_ms.len(),
+            c.tcx_attaches,
             ms(t50),
             match (t50, add) {
                 (Some(t), Some(a)) if a > 0.0 => format!("{:.0}%", 100.0 * t / a),
