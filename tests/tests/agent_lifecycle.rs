@@ -11,7 +11,7 @@ use agent_support::{
     APP_UID, Agent, Dirs, PodApi, api_pod, base_args, free_port, meshed, wait_until,
 };
 use anyhow::{Context, Result, ensure};
-use serde_json::Value;
+use serde_json::{Value, json};
 use sidestep_tests::{Node, NodeOptions, TestEnv, haproxy, http_get, nginx, skip_unless_root, url};
 
 /// The node the test's pods run on, as the API knows it.
@@ -575,7 +575,16 @@ fn adds_through_the_chain_become_events_on_the_pod() -> Result<()> {
     }
     let env = TestEnv::new("agent-events")?;
     let d = Dirs::new(&env)?;
-    let api = PodApi::start(env.tmp_dir(), Vec::new())?;
+    // The Pod as the API holds it once scheduled: no IP yet, so repair has nothing to match.
+    let web_uid = "0f0e0d0c-0000-4000-8000-00000000a11d";
+    let api = PodApi::start(
+        env.tmp_dir(),
+        vec![json!({
+            "metadata": {"name": "web", "namespace": "shop", "uid": web_uid},
+            "spec": {"nodeName": NODE, "containers": [{"name": "web"}]},
+            "status": {"phase": "Pending"}
+        })],
+    )?;
     d.write_primary("10-test.conflist")?;
     let port = free_port()?;
     let mut args = base_args(&env, &d, port);
@@ -603,7 +612,8 @@ fn adds_through_the_chain_become_events_on_the_pod() -> Result<()> {
         e["reason"] == "SidestepEnrolled"
             && e["type"] == "Normal"
             && e["source"]["component"] == "sidestep-agent"
-            && e["message"].as_str().is_some_and(|m| m.contains("eth0")),
+            && e["message"].as_str().is_some_and(|m| m.contains("eth0"))
+            && e["involvedObject"]["uid"] == web_uid,
         "{e}"
     );
     agent_support::uninstall(&env, &d)?;

@@ -121,6 +121,18 @@ pub fn delete(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
     })
 }
 
+/// The pod's UID, read from the API (for an Event about a pod the watch has not seen yet).
+pub fn uid(kubeconfig: &Path, namespace: &str, name: &str) -> Result<String, String> {
+    let (ns, name) = (namespace.to_owned(), name.to_owned());
+    block_on(kubeconfig, async move |client: Client| {
+        let pod = Api::<Pod>::namespaced(client, &ns)
+            .get(&name)
+            .await
+            .map_err(|e| format!("reading pod {ns}/{name}: {e}"))?;
+        Ok(pod.metadata.uid.unwrap_or_default())
+    })
+}
+
 /// Labels the pod `sidestep.io/uninitialized=true`.
 pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
     let (ns, name) = (pod.namespace.clone(), pod.name.clone());

@@ -60,6 +60,14 @@ impl PodWatch {
         Some(store.state().iter().map(|p| (**p).clone()).collect())
     }
 
+    /// The UID of the pod `namespace/name` as the watch holds it now, so that Events about a
+    /// pod the plugin named (it records no UID) are linked to it (`kubectl describe` matches
+    /// Events by UID).
+    pub fn uid_of(&self, namespace: &str, name: &str) -> Option<String> {
+        let key = reflector::ObjectRef::<Pod>::new(name).within(namespace);
+        self.store.get()?.get(&key)?.metadata.uid.clone()
+    }
+
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }

@@ -153,10 +153,18 @@ fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::R
         if name.is_empty() || field("containerID").starts_with("sidestep-repair-") {
             continue;
         }
+        // The watch usually has the pod (kubelet makes the sandbox of a pod the API holds);
+        // a pod it has not seen yet costs one GET. An Event without a UID still shows in
+        // `kubectl get events`, only not in `kubectl describe pod`.
+        let uid = agent
+            .pod_watch
+            .uid_of(&namespace, &name)
+            .or_else(|| super::podapi::uid(&kubeconfig, &namespace, &name).ok())
+            .unwrap_or_default();
         let pod = super::repair::NodePod {
             namespace,
             name,
-            uid: String::new(),
+            uid,
         };
         let message = match reason {
             super::podapi::Reason::Uncaptured => format!(
