@@ -113,20 +113,35 @@ impl ChildGuard {
     /// Waits until stderr contains every needle (a log line written a moment after the event
     /// the caller saw, such as a proxy's line for a connection that just closed).
     pub fn wait_stderr(&self, needles: &[&str], timeout: Duration) -> Result<()> {
+        self.wait_for("stderr", Self::stderr, needles, timeout)
+    }
+
+    /// Waits until stdout contains every needle.
+    pub fn wait_stdout(&self, needles: &[&str], timeout: Duration) -> Result<()> {
+        self.wait_for("stdout", Self::stdout, needles, timeout)
+    }
+
+    fn wait_for(
+        &self,
+        stream: &str,
+        read: fn(&Self) -> String,
+        needles: &[&str],
+        timeout: Duration,
+    ) -> Result<()> {
         crate::util::poll(
-            "lines on stderr",
+            &format!("lines on {stream}"),
             crate::scaled(timeout),
             Duration::from_millis(20),
             || {
-                let text = self.stderr();
+                let text = read(self);
                 Ok(needles.iter().all(|n| text.contains(n)).then_some(()))
             },
         )
         .with_context(|| {
             format!(
-                "{}: wanted {needles:?} on stderr:\n{}",
+                "{}: wanted {needles:?} on {stream}:\n{}",
                 self.label,
-                self.stderr()
+                read(self)
             )
         })
     }

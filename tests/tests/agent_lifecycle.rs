@@ -567,7 +567,8 @@ fn repair_modes_label_and_delete_act_on_uncaptured_pods_only() -> Result<()> {
 }
 
 /// What the plugin's ADD did reaches the pod as a Kubernetes Event: a pod captured through the
-/// chain gets `SidestepEnrolled`, named by the pod the plugin recorded.
+/// chain gets `SidestepEnrolled`, named by the pod the plugin recorded. Its annotation
+/// `sidestep.io/debug` makes its verdicts reach the agent's log, named by the pod.
 #[test]
 fn adds_through_the_chain_become_events_on_the_pod() -> Result<()> {
     if skip_unless_root("adds_through_the_chain_become_events_on_the_pod") {
@@ -597,7 +598,14 @@ fn adds_through_the_chain_become_events_on_the_pod() -> Result<()> {
     let mut agent = Agent::start(&env, &args, port)?;
     agent.wait_ready(Duration::from_secs(30))?;
     let node = d.node(&env, "10-test.conflist")?;
-    let _web = node.add_pod_with("web", meshed())?;
+    let mut options = meshed();
+    options.runtime_config = Some(json!({
+        "io.kubernetes.cri.pod-annotations": {
+            "sidecar.istio.io/status": agent_support::STATUS,
+            "sidestep.io/debug": "true"
+        }
+    }));
+    let web = node.add_pod_with("web", options)?;
     let event = || {
         api.events().into_iter().find(|e| {
             e["involvedObject"]["name"] == "web" && e["involvedObject"]["namespace"] == "shop"
@@ -616,6 +624,21 @@ fn adds_through_the_chain_become_events_on_the_pod() -> Result<()> {
             && e["involvedObject"]["uid"] == web_uid,
         "{e}"
     );
+    // No sidecar runs, so the connect fails; its decision is what the log reports.
+    let probe = env!("CARGO_BIN_EXE_probe");
+    let _ = web.run(
+        &env,
+        APP_UID,
+        &[probe, "connect", "192.0.2.1:80", "--timeout-ms", "300"],
+    );
+    let verdict = format!("connect to 192.0.2.1:80 by uid {APP_UID}: redirected");
+    agent.wait_log(&verdict, Duration::from_secs(10))?;
+    let log = agent.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(&verdict))
+        .unwrap_or_default();
+    ensure!(line.contains("pod=shop/web"), "{line}");
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }

@@ -21,3 +21,4 @@ pub mod tc;
 pub mod tcattach;
 pub mod tproxy;
 pub mod userns;
+pub mod verdictlog;

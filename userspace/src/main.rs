@@ -74,6 +74,22 @@ enum Command {
         #[arg(long = "netns", required = true)]
         netns: Vec<PathBuf>,
     },
+    /// Turn a pod's verdict log on (or off with --off), and/or print the verdicts of every pod
+    /// whose log is on (--follow, until interrupted). The annotation `sidestep.io/debug: "true"`
+    /// is the lasting form for Kubernetes pods; the agent forwards their lines to its log.
+    Debug {
+        #[arg(long, default_value = DEFAULT_PIN_ROOT)]
+        pin_root: PathBuf,
+        /// An enrolled netns whose log to turn on.
+        #[arg(long, required_unless_present = "follow")]
+        netns: Option<PathBuf>,
+        /// Turn the log of --netns off instead.
+        #[arg(long, requires = "netns")]
+        off: bool,
+        /// Print one line per verdict, `netns <cookie>: <what happened>`.
+        #[arg(long)]
+        follow: bool,
+    },
     /// Show programs, attachments, enrolled pods and counters.
     Status {
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
@@ -137,6 +153,9 @@ struct PolicyArgs {
     /// App <-> proxy data on loopback goes socket to socket (sk_msg).
     #[arg(long)]
     sk_msg: bool,
+    /// Log each verdict for this pod (read them with `sidestep debug --follow`).
+    #[arg(long)]
+    debug: bool,
     /// Where inbound capture hooks in: `tc` (tc ingress per interface, the default) or
     /// `sk_lookup` (the per-netns listener lookup only).
     #[arg(long)]
@@ -185,6 +204,7 @@ impl PolicyArgs {
         }
         p.dns_capture |= self.dns_capture;
         p.sk_msg |= self.sk_msg;
+        p.debug |= self.debug;
         p.inbound_hook = self.inbound_hook.unwrap_or(p.inbound_hook);
         if self.no_ipv6 {
             p.capture_ipv6 = false;
@@ -271,6 +291,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::FollowAddresses { pin_root, netns } => follow_addresses(&pin_root, netns),
+        Command::Debug {
+            pin_root,
+            netns,
+            off,
+            follow,
+        } => {
+            // Open the reader first, so that no verdict between the two steps is lost.
+            let reader = follow
+                .then(|| sidestep::verdictlog::VerdictReader::open(&pin_root))
+                .transpose()?;
+            if let Some(netns) = &netns {
+                let cookie = sidestep::verdictlog::set_debug(&pin_root, netns, !off)?;
+                let state = if off { "off" } else { "on" };
+                println!(
+                    "verdict log {state} for {} (netns cookie {cookie})",
+                    netns.display()
+                );
+            }
+            if let Some(mut reader) = reader {
+                loop {
+                    for line in reader.next_lines(std::time::Duration::from_millis(500)) {
+                        println!("netns {}: {}", line.netns_cookie, line.describe());
+                    }
+                    std::io::Write::flush(&mut std::io::stdout())?;
+                }
+            }
+        }
         Command::Status { pin_root, json } => {
             // The pins are root-only: without access every pin would look absent, and "not
             // loaded" would be a lie.

@@ -210,6 +210,43 @@ impl PolicyMaps {
         }
     }
 
+    /// Sets or clears a `flags` bit of an enrolled pod in place; false when the pod has no entry.
+    /// A concurrent re-enrolment of the same pod may win: it writes its whole policy.
+    pub fn set_pod_flag(
+        &mut self,
+        netns_cookie: u64,
+        flag: u32,
+        on: bool,
+    ) -> Result<bool, MapsError> {
+        let mut policy = match self.pods.get(&netns_cookie, 0) {
+            Ok(p) => p,
+            Err(MapError::KeyNotFound) => return Ok(false),
+            Err(source) => {
+                return Err(MapsError::Access {
+                    map: map_names::POD_POLICY,
+                    source,
+                });
+            }
+        };
+        if on {
+            policy.flags |= flag;
+        } else {
+            policy.flags &= !flag;
+        }
+        // BPF_EXIST (2, uapi/linux/bpf.h): a pod unenrolled meanwhile is not brought back.
+        const BPF_EXIST: u64 = 2;
+        match self.pods.insert(netns_cookie, policy, BPF_EXIST) {
+            Ok(()) => Ok(true),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(false)
+            }
+            Err(source) => Err(MapsError::Access {
+                map: map_names::POD_POLICY,
+                source,
+            }),
+        }
+    }
+
     /// The pod's counters summed over CPUs; zero when the pod has none.
     pub fn counters(&self, netns_cookie: u64) -> Counters {
         let mut total = Counters::default();

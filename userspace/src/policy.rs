@@ -278,6 +278,9 @@ pub struct Policy {
     /// App <-> proxy bytes on loopback go socket to socket (sk_msg); off by default until the
     /// benchmark shows it wins everywhere.
     pub sk_msg: bool,
+    /// The programs log each of this pod's verdicts (`sidestep.io/debug`); written only when on.
+    #[serde(skip_serializing_if = "is_false")]
+    pub debug: bool,
     /// Set from the plugin's (or the CLI's) configuration, not from annotations.
     pub inbound_hook: InboundHook,
 }
@@ -305,6 +308,7 @@ impl Default for Policy {
             pod_ips: Vec::new(),
             hairpin: true,
             sk_msg: false,
+            debug: false,
             inbound_hook: InboundHook::Tc,
         }
     }
@@ -312,6 +316,10 @@ impl Default for Policy {
 
 fn is_true(b: &bool) -> bool {
     *b
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Everything one pod puts in the maps.
@@ -499,6 +507,9 @@ impl Policy {
         }
         if self.sk_msg {
             f |= flags::SK_MSG;
+        }
+        if self.debug {
+            f |= flags::DEBUG;
         }
         if self.inbound_hook == InboundHook::SkLookup {
             f |= flags::INBOUND_SK_LOOKUP;

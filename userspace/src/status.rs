@@ -147,6 +147,7 @@ pub fn summarize_policy(p: &PodPolicy) -> PolicySummary {
         (flags::TPROXY, "tproxy"),
         (flags::IPV6, "ipv6"),
         (flags::SK_MSG, "sk_msg"),
+        (flags::DEBUG, "debug-log"),
         (flags::INBOUND_SK_LOOKUP, "inbound-by-sk_lookup"),
         (flags::OUTBOUND_ALL_RANGES, "all-outbound-ranges"),
         (flags::HAS_OUT_PORT_EXCLUDES, "excluded-outbound-ports"),

@@ -54,7 +54,8 @@ enum Task {
         /// Fetched into .tools/kernels on first use.
         #[arg(long, value_name = "LIST")]
         kernel: Option<String>,
-        /// With --kernel: `capture` (outbound, inbound, parity, cni_chain, tc_netlink) or `full`
+        /// With --kernel: `capture` (outbound, inbound, parity, cni_chain, tc_netlink, validation,
+        /// verdict_log) or `full`
         /// (every test binary of sidestep-tests but bench, and the unit tests).
         #[arg(
             long,

@@ -256,14 +256,22 @@ pub fn decide_pod(mesh: Mesh, pod: &PodInfo) -> Result<Decision, AnnotationError
 /// Opts a pod's app <-> proxy loopback traffic into sk_msg (socket to socket), whatever the mesh.
 pub const SK_MSG_ANNOTATION: &str = "sidestep.io/sk-msg";
 
+/// Makes the programs log each of the pod's verdicts, for the agent to forward with its name.
+pub const DEBUG_ANNOTATION: &str = "sidestep.io/debug";
+
 /// sidestep's own annotations, which every mesh's pods may carry.
 fn apply_sidestep_annotations(p: &mut Policy, pod: &PodInfo) -> Result<(), AnnotationError> {
-    if let Some(v) = pod.annotation(SK_MSG_ANNOTATION) {
-        p.sk_msg = match v.trim() {
-            "true" => true,
-            "false" => false,
-            _ => return Err(bad(SK_MSG_ANNOTATION, v, "expected \"true\" or \"false\"")),
-        };
+    for (key, field) in [
+        (SK_MSG_ANNOTATION, &mut p.sk_msg),
+        (DEBUG_ANNOTATION, &mut p.debug),
+    ] {
+        if let Some(v) = pod.annotation(key) {
+            *field = match v.trim() {
+                "true" => true,
+                "false" => false,
+                _ => return Err(bad(key, v, "expected \"true\" or \"false\"")),
+            };
+        }
     }
     Ok(())
 }

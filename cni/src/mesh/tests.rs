@@ -451,3 +451,12 @@ fn sk_msg_annotation_opts_a_pod_in_for_every_mesh() {
     );
     assert!(enrolled(decide_pod(Mesh::Linkerd, &linkerd).unwrap()).sk_msg);
 }
+
+#[test]
+fn the_debug_annotation_turns_on_the_verdict_log() {
+    assert!(!istio_with(SK_MSG_ANNOTATION, "true").unwrap().debug);
+    assert!(istio_with(DEBUG_ANNOTATION, "true").unwrap().debug);
+    assert!(!istio_with(DEBUG_ANNOTATION, "false").unwrap().debug);
+    let e = istio_with(DEBUG_ANNOTATION, "1").unwrap_err();
+    assert!(e.key == DEBUG_ANNOTATION && e.value == "1", "{e}");
+}

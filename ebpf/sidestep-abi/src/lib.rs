@@ -22,7 +22,11 @@ pub mod map_names {
     pub const REROUTE_IFACES: &str = "SIDESTEP_RRIF";
     pub const REROUTE_NAT: &str = "SIDESTEP_RNAT";
     pub const POD_IDENTITY: &str = "SIDESTEP_NSID";
-    pub const ALL: [&str; 14] = [
+    /// aya-log's ring buffer (its name is aya-log's). Pinned so that an upgrade keeps the one the
+    /// agent reads.
+    pub const LOGS: &str = "AYA_LOGS";
+    pub const ALL: [&str; 15] = [
+        LOGS,
         POD_IDENTITY,
         REROUTE_IFACES,
         REROUTE_NAT,
@@ -145,6 +149,70 @@ pub mod flags {
     /// The pod has excluded interfaces (`excludeInterfaces`): connect consults the pod's route
     /// entries in `SIDESTEP_CIDRS` and the socket's bound device (Istio's `-o <nic> -j RETURN`).
     pub const HAS_EXCLUDED_IFACES: u32 = 1 << 14;
+    /// The programs log each verdict for this pod through aya-log (`sidestep.io/debug`). Off,
+    /// it costs one flag test per decision.
+    pub const DEBUG: u32 = 1 << 15;
+}
+
+/// Which rule decided a connect or an inbound SYN, as the debug log reports it. The numbered
+/// ones are the rules of istio-iptables' ISTIO_OUTPUT chain (ISTIO-CAPTURE.md), so a debug line
+/// names the same rule an operator would find in `iptables-save`.
+pub mod rule {
+    pub const END_OF_CHAIN: u16 = 0;
+    pub const OUT_EXCLUDED_PORT: u16 = 1;
+    pub const INBOUND_PASSTHROUGH: u16 = 2;
+    pub const PROXY_UID_HAIRPIN: u16 = 3;
+    pub const LOOPBACK_RETURN: u16 = 4;
+    pub const PROXY_UID: u16 = 5;
+    pub const PROXY_GID_HAIRPIN: u16 = 6;
+    pub const PROXY_GID: u16 = 8;
+    pub const DNS: u16 = 9;
+    pub const OUT_EXCLUDED_CIDR: u16 = 11;
+    pub const OUT_INCLUDED_PORT: u16 = 12;
+    pub const OUT_INCLUDED_CIDR: u16 = 13;
+    /// Not in the chain: no ip6tables rules for a pod without IPv6.
+    pub const NO_IPV6: u16 = 100;
+    /// `-o <nic> -j RETURN` of excludeInterfaces.
+    pub const EXCLUDED_INTERFACE: u16 = 101;
+    /// Neither TCP nor DNS, or outbound capture off.
+    pub const NOT_CAPTURED_PROTOCOL: u16 = 102;
+    /// TPROXY mode: the proxy's transparent connection to its app.
+    pub const TPROXY_PASSTHROUGH: u16 = 103;
+    /// Inbound: the port is captured (ISTIO_INBOUND).
+    pub const IN_CAPTURED_PORT: u16 = 200;
+    /// Inbound: excluded port, or not in includeInboundPorts.
+    pub const IN_PORT_NOT_CAPTURED: u16 = 201;
+    /// Inbound: arrived on an excluded interface.
+    pub const IN_EXCLUDED_INTERFACE: u16 = 202;
+    /// Inbound: captured, but no proxy listener to hand it to, so refused.
+    pub const IN_NO_LISTENER: u16 = 203;
+
+    /// The rule's name, for logs.
+    pub const fn name(rule: u16) -> &'static str {
+        match rule {
+            END_OF_CHAIN => "end of ISTIO_OUTPUT",
+            OUT_EXCLUDED_PORT => "excludeOutboundPorts",
+            INBOUND_PASSTHROUGH => "inbound passthrough source",
+            PROXY_UID_HAIRPIN => "proxy UID to its own pod",
+            LOOPBACK_RETURN => "loopback",
+            PROXY_UID => "proxy UID",
+            PROXY_GID_HAIRPIN => "proxy GID to its own pod",
+            PROXY_GID => "proxy GID",
+            DNS => "DNS capture",
+            OUT_EXCLUDED_CIDR => "excludeOutboundIPRanges",
+            OUT_INCLUDED_PORT => "includeOutboundPorts",
+            OUT_INCLUDED_CIDR => "includeOutboundIPRanges",
+            NO_IPV6 => "no IPv6 capture",
+            EXCLUDED_INTERFACE => "excludeInterfaces",
+            NOT_CAPTURED_PROTOCOL => "protocol not captured",
+            TPROXY_PASSTHROUGH => "TPROXY passthrough",
+            IN_CAPTURED_PORT => "inbound port captured",
+            IN_PORT_NOT_CAPTURED => "inbound port not captured",
+            IN_EXCLUDED_INTERFACE => "excludeInterfaces (inbound)",
+            IN_NO_LISTENER => "inbound port captured, no proxy listener: refused",
+            _ => "unknown rule",
+        }
+    }
 }
 
 /// Per-pod policy, keyed by network-namespace cookie (`u64`).

@@ -13,10 +13,13 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use sidestep_abi::{OrigDst, defaults, linux, redirect_kind, socket_side, v4_mapped};
+use sidestep_abi::{
+    OrigDst, defaults, flags, linux, redirect_kind, rule, socket_side, v4_mapped,
+};
 
 use crate::{
     context::{load, load_ip6, store, store_ip6},
+    debuglog,
     maps::SIDESTEP_ORIG,
     policy::{self, Connect, LOOPBACK4_BE, LOOPBACK6, Verdict},
 };
@@ -101,12 +104,24 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         bound_dev_if,
     };
     let tproxy_passthrough = policy::is_tproxy_passthrough(&decision);
-    let Verdict { port, kind } = if tproxy_passthrough {
-        Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH)
+    let verdict = if tproxy_passthrough {
+        Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH, rule::TPROXY_PASSTHROUGH)
     } else {
         policy::outbound_verdict(&decision)
     };
-    if (Verdict { port, kind }).is_pass() {
+    if pod.flags & flags::DEBUG != 0 {
+        debuglog::connect(
+            ctx,
+            netns_cookie,
+            &dst,
+            decision.dst_port,
+            decision.uid,
+            verdict.kind,
+            verdict.rule,
+        );
+    }
+    let Verdict { port, kind, .. } = verdict;
+    if verdict.is_pass() {
         // A socket connected again (UDP, or TCP after a failed connect) must not keep the
         // original destination of an earlier captured connect: getpeername, sockops and
         // SO_ORIGINAL_DST would report it for a connection that was never redirected.

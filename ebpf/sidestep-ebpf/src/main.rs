@@ -4,6 +4,7 @@
 
 mod connect;
 mod context;
+mod debuglog;
 mod dns;
 mod inbound;
 mod maps;

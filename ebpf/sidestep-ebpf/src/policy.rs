@@ -3,7 +3,7 @@
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use sidestep_abi::{
     CIDR_KEY_FIXED_BITS, CidrKey, Counters, InterfaceKey, PodPolicy, PortKey, cidr_list, defaults,
-    flags, iface_kind, is_v4_mapped, linux, port_list, redirect_kind, route_via,
+    flags, iface_kind, is_v4_mapped, linux, port_list, redirect_kind, route_via, rule,
 };
 
 use crate::maps::{
@@ -148,14 +148,23 @@ pub struct Verdict {
     pub port: u16,
     /// A `redirect_kind` value; 0 for pass.
     pub kind: u16,
+    /// The `rule` that decided, for the debug log.
+    pub rule: u16,
 }
 
 impl Verdict {
-    pub const PASS: Self = Self { port: 0, kind: 0 };
+    #[inline(always)]
+    pub const fn pass(rule: u16) -> Self {
+        Self {
+            port: 0,
+            kind: 0,
+            rule,
+        }
+    }
 
     #[inline(always)]
-    pub const fn redirect(port: u16, kind: u16) -> Self {
-        Self { port, kind }
+    pub const fn redirect(port: u16, kind: u16, rule: u16) -> Self {
+        Self { port, kind, rule }
     }
 
     #[inline(always)]
@@ -210,13 +219,13 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     let p = c.policy;
     // istio installs no ip6tables rules at all for a pod without IPv6.
     if !is_v4_mapped(&c.dst) && p.flags & flags::IPV6 == 0 {
-        return Verdict::PASS;
+        return Verdict::pass(rule::NO_IPV6);
     }
     // 1. excluded outbound ports (TCP and UDP), for everyone.
     if p.flags & flags::HAS_OUT_PORT_EXCLUDES != 0
         && port_listed(c.netns_cookie, port_list::OUTBOUND_EXCLUDE, c.dst_port)
     {
-        return Verdict::PASS;
+        return Verdict::pass(rule::OUT_EXCLUDED_PORT);
     }
     // `-o lo`: the destination is on the pod itself. ::6, the IPv6 inbound passthrough source
     // enrolment adds to lo, is routed over lo although it is not loopback; Istio's validation
@@ -229,7 +238,7 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     // passes follow, so testing it after rule 1 changes no outcome. A destination on the pod
     // leaves through lo, never through an excluded interface.
     if p.flags & flags::HAS_EXCLUDED_IFACES != 0 && !local_dst && leaves_excluded_interface(c) {
-        return Verdict::PASS;
+        return Verdict::pass(rule::EXCLUDED_INTERFACE);
     }
     // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
     // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
@@ -242,7 +251,7 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
             || (v6_passthrough_dst && is_unspecified(&c.bound_src))))
         || (!local_dst && is_v4_mapped(&c.bound_src) && is_loopback(&c.bound_src))
     {
-        return Verdict::PASS;
+        return Verdict::pass(rule::INBOUND_PASSTHROUGH);
     }
     let proxy_uid = c.uid == p.proxy_uid;
     let proxy_gid = c.gid == p.proxy_gid;
@@ -255,57 +264,57 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
         && p.flags & flags::HAIRPIN != 0
         && !is_host_loopback(&c.dst)
         && c.dst_port != defaults::TUNNEL_PORT;
-    let inbound = Verdict::redirect(p.inbound_port, redirect_kind::INBOUND);
+    let inbound = |rule| Verdict::redirect(p.inbound_port, redirect_kind::INBOUND, rule);
     // 3. the proxy UID calling its own pod goes through inbound (with DNS capture, not port 53).
     if proxy_uid && hairpin && !dns_port {
-        return inbound;
+        return inbound(rule::PROXY_UID_HAIRPIN);
     }
     // 4. anything else on lo that is not the proxy UID is left alone (the app calling
     // localhost); with DNS capture only TCP to ports other than 53, the rest goes on to DNS.
     let lo_return = local_dst && (!dns || (tcp && c.dst_port != 53));
     if lo_return && !proxy_uid {
-        return Verdict::PASS;
+        return Verdict::pass(rule::LOOPBACK_RETURN);
     }
     // 5. the proxy UID's own connections.
     if proxy_uid {
-        return Verdict::PASS;
+        return Verdict::pass(rule::PROXY_UID);
     }
     // 6. the same hairpin for the proxy GID; reached over lo only by what rule 4 let through,
     // i.e. with DNS capture, TCP to port 53. (7, lo and not the GID, cannot match any more.)
     if proxy_gid && hairpin {
-        return inbound;
+        return inbound(rule::PROXY_GID_HAIRPIN);
     }
     // 8. the proxy GID's own connections.
     if proxy_gid {
-        return Verdict::PASS;
+        return Verdict::pass(rule::PROXY_GID);
     }
     // 9. DNS capture: port 53 (TCP and UDP) from anyone else, wherever it goes.
     if dns_port {
-        return Verdict::redirect(p.dns_port, redirect_kind::DNS);
+        return Verdict::redirect(p.dns_port, redirect_kind::DNS, rule::DNS);
     }
     // Only TCP is redirected from here on.
     if !tcp || p.flags & flags::OUTBOUND == 0 {
-        return Verdict::PASS;
+        return Verdict::pass(rule::NOT_CAPTURED_PROTOCOL);
     }
     // 10. -d 127.0.0.1 returns; every other destination on lo has returned above.
     // 11. excludeOutboundIPRanges.
     if p.flags & flags::HAS_OUT_CIDR_EXCLUDES != 0
         && cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_EXCLUDE, &c.dst)
     {
-        return Verdict::PASS;
+        return Verdict::pass(rule::OUT_EXCLUDED_CIDR);
     }
-    let redirect = Verdict::redirect(p.outbound_port, redirect_kind::OUTBOUND);
+    let redirect = |rule| Verdict::redirect(p.outbound_port, redirect_kind::OUTBOUND, rule);
     // 12. includeOutboundPorts.
     if p.flags & flags::HAS_OUT_PORT_INCLUDES != 0
         && port_listed(c.netns_cookie, port_list::OUTBOUND_INCLUDE, c.dst_port)
     {
-        return redirect;
+        return redirect(rule::OUT_INCLUDED_PORT);
     }
     // 13. includeOutboundIPRanges; `*` needs no lookup.
     if p.flags & flags::OUTBOUND_ALL_RANGES != 0
         || cidr_listed(c.netns_cookie, cidr_list::OUTBOUND_INCLUDE, &c.dst)
     {
-        return redirect;
+        return redirect(rule::OUT_INCLUDED_CIDR);
     }
-    Verdict::PASS
+    Verdict::pass(rule::END_OF_CHAIN)
 }

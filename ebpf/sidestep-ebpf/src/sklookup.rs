@@ -17,12 +17,13 @@ use aya_ebpf::{
     programs::SkLookupContext,
 };
 use sidestep_abi::{
-    InterfaceKey, ListenerKey, OrigDst, TupleKey, flags, iface_kind, linux, redirect_kind,
+    InterfaceKey, ListenerKey, OrigDst, TupleKey, flags, iface_kind, linux, redirect_kind, rule,
     socket_side, v4_mapped,
 };
 
 use crate::{
     context::{load, load_ip6},
+    debuglog,
     inbound::captures_port,
     maps::{
         SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_NSID,
@@ -115,7 +116,12 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         // An older enrolment listed the captured interfaces only.
         kind.is_none()
     };
+    let debug = pod.flags & flags::DEBUG != 0;
+    let port = local_port as u16;
     if excluded {
+        if debug {
+            debuglog::inbound(&ctx, netns_cookie, &local, port, 0, rule::IN_EXCLUDED_INTERFACE);
+        }
         return SK_PASS;
     }
     // The pod calling its own address arrives over lo, but for IPv6 the kernel reports the
@@ -124,7 +130,6 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     if policy::is_pod_address(netns_cookie, &remote) || same_address(&remote, &local) {
         return SK_PASS;
     }
-    let port = local_port as u16;
     let remote_port = u16::from_be(remote_port as u16);
     let pending = TupleKey {
         netns_cookie,
@@ -148,6 +153,9 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         if pod.flags & flags::INBOUND_SK_LOOKUP != 0 {
             policy::count(netns_cookie, |c| c.passed_inbound += 1);
         }
+        if debug {
+            debuglog::inbound(&ctx, netns_cookie, &local, port, 0, rule::IN_PORT_NOT_CAPTURED);
+        }
         return SK_PASS;
     }
     let mut key = ListenerKey {
@@ -160,6 +168,14 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         // A dual-stack listener on [::] serves IPv4 too.
         key.family = u32::from(linux::AF_INET6);
         assigned = SIDESTEP_LSTN.redirect_sk_lookup(&ctx, key, 0).is_ok();
+    }
+    if debug {
+        let outcome = if assigned {
+            rule::IN_CAPTURED_PORT
+        } else {
+            rule::IN_NO_LISTENER
+        };
+        debuglog::inbound(&ctx, netns_cookie, &local, port, redirect_kind::INBOUND, outcome);
     }
     if !assigned {
         // Captured, but no proxy listens: refuse rather than deliver around the proxy.

@@ -22,7 +22,7 @@ use sidestep_tests::{
 };
 
 pub const APP_UID: u32 = 1000;
-const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
+pub const STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#;
 
 /// The host directories the agent manages, all under the test's scratch directory.
 pub struct Dirs {

@@ -30,6 +30,7 @@ pub mod template;
 pub mod timings;
 pub mod uninstall;
 pub mod untaint;
+mod verdicts;
 mod watch;
 
 use std::{

@@ -234,6 +234,7 @@ pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
     tokio::spawn(reconcile_loop(agent.clone(), pods_rx));
     tokio::spawn(super::untaint::run(agent.clone()));
     super::addrwatch::spawn(agent.clone())?;
+    super::verdicts::spawn(agent.clone())?;
 
     let sig = tokio::select! {
         _ = term.recv() => "SIGTERM",

@@ -17,6 +17,8 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     ("cni_chain", &[]),
     ("tc_netlink", &[]),
     ("validation", &[]),
+    // aya-log's ring buffer and the larger debug-path programs, through each kernel's verifier.
+    ("verdict_log", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.
