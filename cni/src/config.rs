@@ -54,14 +54,14 @@ pub enum FailStrategy {
 #[serde(rename_all = "lowercase")]
 pub enum PodSourceChoice {
     /// The runtime's annotations when it passed them, else the Pod from the API (the behaviour
-    /// of earlier versions, still the default: see docs/OPERATIONS.md for why `auto` is not yet).
-    #[default]
+    /// of versions before 0.2, which never read the proxy container's spec when annotations came).
     #[serde(rename = "prefer-annotations")]
     PreferAnnotations,
-    /// The Pod from the API when a kubeconfig is configured, as istio-cni reads it: the proxy
-    /// container's securityContext, env and args decide too. The runtime's annotations are the
-    /// fallback when the API does not answer within the retry budget, and the only source
-    /// without a kubeconfig.
+    /// The default: the Pod from the API when a kubeconfig is configured, as istio-cni reads it:
+    /// the proxy container's securityContext, env and args decide too. The runtime's annotations
+    /// are the fallback when the API does not answer within the retry budget, and the only
+    /// source without a kubeconfig.
+    #[default]
     Auto,
     /// The API only: no answer within the budget is an error (fail_strategy decides).
     Api,

@@ -200,16 +200,33 @@ mod tests {
     }
 
     #[test]
-    fn the_default_prefers_the_runtimes_annotations() {
+    fn prefer_annotations_skips_the_api_when_the_runtime_passed_them() {
         let up = Flaky {
             fail_first: 0,
             calls: Cell::new(0),
         };
-        let (_, source) = pod_info(&plugin_config(with_annotations()), &id(), &up).unwrap();
+        let prefer = |mut extra: serde_json::Value| {
+            extra["pod_source"] = json!("prefer-annotations");
+            plugin_config(extra)
+        };
+        let (_, source) = pod_info(&prefer(with_annotations()), &id(), &up).unwrap();
         assert_eq!(source, SourceUsed::Annotations);
         assert_eq!(up.calls.get(), 0);
-        let (_, source) = pod_info(&plugin_config(json!({})), &id(), &up).unwrap();
+        let (_, source) = pod_info(&prefer(json!({})), &id(), &up).unwrap();
         assert_eq!(source, SourceUsed::Api);
+    }
+
+    #[test]
+    fn the_default_reads_the_api_even_with_annotations() {
+        let up = Flaky {
+            fail_first: 0,
+            calls: Cell::new(0),
+        };
+        let cfg = plugin_config(with_annotations());
+        assert_eq!(cfg.pod_source, PodSourceChoice::Auto);
+        let (_, source) = pod_info(&cfg, &id(), &up).unwrap();
+        assert_eq!(source, SourceUsed::Api);
+        assert_eq!(up.calls.get(), 1);
     }
 
     #[test]

@@ -120,11 +120,27 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// The agent's default plugin entry (`pod_source: auto`: the Pod from the API first), with a
+/// budget of one API try: the test nodes' API (127.0.0.1:6443 from the service account) does not
+/// answer, so each ADD takes the default path's fallback, the runtime's annotations, at once
+/// rather than after the 30 tries a real node's budget allows.
+const TEST_PLUGIN_JSON: &str = r#"{
+  "type": "sidestep",
+  "pin_root": "__PIN_ROOT__",
+  "state_dir": "__STATE_DIR__",
+  "log_level": "__LOG_LEVEL__",
+  "pod_namespace": "__POD_NAMESPACE__",
+  "capabilities": { "io.kubernetes.cri.pod-annotations": true },
+  "kubernetes": { "kubeconfig": "__KUBECONFIG_FILEPATH__", "pod_read_retries": 1 }
+}"#;
+
 /// The flags every test agent gets.
 pub fn base_args(env: &TestEnv, d: &Dirs, port: u16) -> Vec<String> {
     let s = |p: &Path| p.display().to_string();
     vec![
         "agent".into(),
+        "--plugin-json".into(),
+        TEST_PLUGIN_JSON.into(),
         "--log-level".into(),
         "sidestep=debug,info".into(),
         "--cni-bin-dir".into(),

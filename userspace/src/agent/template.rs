@@ -10,6 +10,7 @@ pub const DEFAULT_TEMPLATE: &str = r#"{
   "state_dir": "__STATE_DIR__",
   "log_level": "__LOG_LEVEL__",
   "pod_namespace": "__POD_NAMESPACE__",
+  "pod_source": "auto",
   "capabilities": { "io.kubernetes.cri.pod-annotations": true },
   "kubernetes": { "kubeconfig": "__KUBECONFIG_FILEPATH__" }
 }"#;
