@@ -46,6 +46,9 @@ fn enrolment_past_capacity_fails_and_changes_nothing() -> Result<()> {
             &ip,
             "--exclude-outbound-ports",
             "22",
+            // tc: the refused enrolment must take back the link it attached first.
+            "--inbound-hook",
+            "tc",
         ])
     };
     enroll(0)?;

@@ -156,8 +156,9 @@ struct PolicyArgs {
     /// Log each verdict for this pod (read them with `sidestep debug --follow`).
     #[arg(long)]
     debug: bool,
-    /// Where inbound capture hooks in: `tc` (tc ingress per interface, the default) or
-    /// `sk_lookup` (the per-netns listener lookup only).
+    /// Where inbound capture hooks in: `sk_lookup` (the per-netns listener lookup only) or `tc`
+    /// (tc ingress per interface). Default: `sk_lookup`, or `tc` where the proxy listens already
+    /// or the netns is enrolled with `tc`, as the CNI plugin decides.
     #[arg(long)]
     inbound_hook: Option<policy::InboundHook>,
     /// The pod's own address (repeatable), for hairpin detection.
@@ -166,12 +167,18 @@ struct PolicyArgs {
 }
 
 impl PolicyArgs {
-    fn resolve(self) -> anyhow::Result<Policy> {
+    /// The policy, and whether the operator chose its inbound hook (the flag or the file's
+    /// `inboundHook`); without a choice the enrolment picks one ([`enroll::hook`]).
+    fn resolve(self) -> anyhow::Result<(Policy, bool)> {
+        let mut hook_chosen = self.inbound_hook.is_some();
         let mut p = match &self.policy {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading policy file {}", path.display()))?;
-                serde_json::from_str(&text)
+                let value: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("parsing policy file {}", path.display()))?;
+                hook_chosen |= value.get("inboundHook").is_some();
+                serde_json::from_value(value)
                     .with_context(|| format!("parsing policy file {}", path.display()))?
             }
             None => Policy::default(),
@@ -211,7 +218,7 @@ impl PolicyArgs {
         }
         p.pod_ips.extend(self.pod_ips);
         p.validate()?;
-        Ok(p)
+        Ok((p, hook_chosen))
     }
 }
 
@@ -268,7 +275,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             interfaces,
             policy,
         } => {
-            let policy = policy.resolve()?;
+            let (mut policy, hook_chosen) = policy.resolve()?;
+            if !hook_chosen {
+                let netns = sidestep::netns::Netns::open(&netns)?;
+                policy.inbound_hook =
+                    enroll::hook::default_hook(&pin_root, &netns, policy.inbound_port)
+                        .unwrap_or_else(|because| {
+                            println!("inbound through tc: {because}");
+                            policy::InboundHook::Tc
+                        });
+            }
             let interfaces = (!interfaces.is_empty()).then_some(interfaces.as_slice());
             let enrolled = enroll::enroll(&pin_root, &netns, &policy, interfaces)?;
             println!(

@@ -203,11 +203,12 @@ impl FromStr for InterceptionMode {
 pub enum InboundHook {
     /// A tc ingress program on each captured interface (TCX links, pinned per pod), plus the
     /// per-netns sk_lookup program for SYNs onto a TIME_WAIT 4-tuple.
-    #[default]
     Tc,
-    /// Only the per-netns sk_lookup program: no per-packet program, and no TCX attach (each of
-    /// which waits for an RCU grace period) in ADD and DEL. The proxy's listener must have been
-    /// opened under the loaded sockops program, which holds for every pod enrolled at ADD.
+    /// The default: only the per-netns sk_lookup program: no per-packet program, and no TCX
+    /// attach (each of which waits for an RCU grace period) in ADD and DEL. The proxy's listener
+    /// must have been opened under the loaded sockops program, which holds for every pod enrolled
+    /// before its proxy starts (the plugin and `sidestep enroll` fall back to `tc` otherwise).
+    #[default]
     SkLookup,
 }
 
@@ -282,6 +283,9 @@ pub struct Policy {
     #[serde(skip_serializing_if = "is_false")]
     pub debug: bool,
     /// Set from the plugin's (or the CLI's) configuration, not from annotations.
+    /// Read as `tc` when absent: only records of versions before the choice existed lack it,
+    /// and those enrolled with tc.
+    #[serde(default = "tc_when_unrecorded")]
     pub inbound_hook: InboundHook,
 }
 
@@ -309,7 +313,7 @@ impl Default for Policy {
             hairpin: true,
             sk_msg: false,
             debug: false,
-            inbound_hook: InboundHook::Tc,
+            inbound_hook: InboundHook::SkLookup,
         }
     }
 }
@@ -320,6 +324,10 @@ fn is_true(b: &bool) -> bool {
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+fn tc_when_unrecorded() -> InboundHook {
+    InboundHook::Tc
 }
 
 /// Everything one pod puts in the maps.

@@ -46,19 +46,23 @@ pub enum Mode {
     Explicit,
     /// Istio's default REDIRECT ruleset (iptables-legacy) in both pods, both sidecars.
     Iptables,
-    /// Both pods enrolled in sidestep, both sidecars.
+    /// Both pods enrolled in sidestep with its default inbound hook (sk_lookup), both sidecars.
     Sidestep,
+    /// As sidestep, with the tc inbound hook (what a pod whose proxy listened before its
+    /// enrolment gets).
+    SidestepTc,
     /// As sidestep, with sk_msg: app <-> sidecar bytes go socket to socket.
     SkMsg,
 }
 
 impl Mode {
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
     pub const ALL: [Mode; Mode::COUNT] = [
         Mode::Direct,
         Mode::Explicit,
         Mode::Iptables,
         Mode::Sidestep,
+        Mode::SidestepTc,
         Mode::SkMsg,
     ];
 
@@ -68,7 +72,8 @@ impl Mode {
             Mode::Explicit => 1,
             Mode::Iptables => 2,
             Mode::Sidestep => 3,
-            Mode::SkMsg => 4,
+            Mode::SidestepTc => 4,
+            Mode::SkMsg => 5,
         }
     }
 
@@ -78,6 +83,7 @@ impl Mode {
             Mode::Explicit => "explicit proxy",
             Mode::Iptables => "iptables",
             Mode::Sidestep => "sidestep",
+            Mode::SidestepTc => "sidestep, tc hook",
             Mode::SkMsg => "sidestep + sk_msg",
         }
     }
@@ -89,6 +95,7 @@ impl Mode {
             Mode::Explicit => "explicit",
             Mode::Iptables => "iptables",
             Mode::Sidestep => "sidestep",
+            Mode::SidestepTc => "sidesteptc",
             Mode::SkMsg => "skmsg",
         }
     }

@@ -111,7 +111,7 @@ impl<'e> Topology<'e> {
         let loaded = Loaded::load(ss_env)?;
         let mut lanes = Vec::new();
         for mode in Mode::ALL {
-            let lane_env = if matches!(mode, Mode::Sidestep | Mode::SkMsg) {
+            let lane_env = if matches!(mode, Mode::Sidestep | Mode::SidestepTc | Mode::SkMsg) {
                 ss_env
             } else {
                 env
@@ -162,9 +162,15 @@ impl<'e> Topology<'e> {
                         .with_context(|| format!("istio rules in pod {}", pod.name))?;
                 }
             }
+            // Enrolled before anything listens in the pods, so the default hook is sk_lookup, as
+            // for a pod the CNI plugin enrols.
             Mode::Sidestep => {
                 loaded.enroll(&client, &[])?;
                 loaded.enroll(&server, &[])?;
+            }
+            Mode::SidestepTc => {
+                loaded.enroll(&client, &["--inbound-hook", "tc"])?;
+                loaded.enroll(&server, &["--inbound-hook", "tc"])?;
             }
             Mode::SkMsg => {
                 loaded.enroll(&client, &["--sk-msg"])?;

@@ -76,6 +76,7 @@ pub fn run(kernel: &Kernel, initrd: &Path, timeout: Duration, scratch: &Path) ->
         && accel == Accel::Kvm
     {
         println!("vm: kvm did not reach the command ({reason}); booting again with tcg");
+        KVM_NEVER_STARTED.store(true, std::sync::atomic::Ordering::Relaxed);
         let left = timeout.saturating_sub(start.elapsed());
         attempt = boot(kernel, initrd, Accel::Tcg, mem, left)?;
     }
@@ -336,9 +337,20 @@ fn memory_mib() -> u64 {
 /// Nested setups can open /dev/kvm and still fail (qemu aborting on an MSR, or a kernel that
 /// never boots); the first is caught here, the second by the boot limit in `run`.
 /// `SIDESTEP_VM_ACCEL=tcg` skips the probe.
+/// Set once a KVM guest of this run never reached its command (a host whose /dev/kvm passes the
+/// probe but cannot run a kernel): later VMs go straight to TCG instead of losing the boot limit
+/// again.
+static KVM_NEVER_STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn choose_accel(scratch: &Path) -> (Accel, String) {
     if std::env::var("SIDESTEP_VM_ACCEL").is_ok_and(|a| a == "tcg") {
         return (Accel::Tcg, "SIDESTEP_VM_ACCEL=tcg".into());
+    }
+    if KVM_NEVER_STARTED.load(std::sync::atomic::Ordering::Relaxed) {
+        return (
+            Accel::Tcg,
+            "a kvm guest of this run never reached its command".into(),
+        );
     }
     if let Err(e) = std::fs::OpenOptions::new()
         .read(true)

@@ -38,7 +38,7 @@ impl Report {
         );
         let _ = writeln!(
             o,
-            "- Order: one unrecorded warm-up run per mode of the two wrk workloads (sockperf has its own warm-up), then a check that the iptables lane's REDIRECT chains and the sidestep lane's redirect counters both moved, then {} rounds. Within a round each workload runs on all four modes back to back (A B C D), and the mode order rotates by one every round (A B C D, B C D A, …), so slow phases of the shared machine hit every mode alike. Every figure is the median over the rounds; the raw rounds are at the end.",
+            "- Order: one unrecorded warm-up run per mode of the two wrk workloads (sockperf has its own warm-up), then a check that the iptables lane's REDIRECT chains and the sidestep lane's redirect counters both moved, then {} rounds. Within a round each workload runs on every mode back to back, and the mode order rotates by one every round (A B C …, B C … A, …), so slow phases of the shared machine hit every mode alike. Every figure is the median over the rounds; the raw rounds are at the end.",
             c.rounds
         );
         let _ = writeln!(

@@ -87,8 +87,14 @@ impl Report {
         let mut head = String::from("| program | calls | ns/call (both windows)");
         let mut sep = String::from("|---|---:|---:");
         for w in &b.windows {
-            let _ = write!(head, " | ns/call, {}", w.workload.label());
-            sep.push_str("|---:");
+            let unit = if w.workload == Workload::NewConn {
+                "connection"
+            } else {
+                "request"
+            };
+            let label = w.workload.label();
+            let _ = write!(head, " | ns/call, {label} | calls per {unit}, {label}");
+            sep.push_str("|---:|---:");
         }
         let _ = writeln!(o, "{head} |\n{sep}|");
         let key = |n: &str| match n {
@@ -108,12 +114,15 @@ impl Report {
                 fmt_opt(p.ns_per_call())
             );
             for w in &b.windows {
-                let v = w
-                    .progs
-                    .iter()
-                    .find(|q| q.name == p.name)
-                    .and_then(|q| q.ns_per_call());
-                let _ = write!(row, "| {} ", fmt_opt(v));
+                let q = w.progs.iter().find(|q| q.name == p.name);
+                let per_request =
+                    q.and_then(|q| (w.requests > 0).then(|| q.calls as f64 / w.requests as f64));
+                let _ = write!(
+                    row,
+                    "| {} | {} ",
+                    fmt_opt(q.and_then(crate::bench::bpfstats::ProgCost::ns_per_call)),
+                    fmt_opt(per_request)
+                );
             }
             let _ = writeln!(o, "{row}|");
         }
@@ -160,7 +169,7 @@ impl Report {
         let e = &self.enrol;
         let _ = writeln!(
             o,
-            "## Enrol latency (command-line tools)\n\nThe `sidestep enroll` CLI (what an operator runs by hand), against the same iptables install; the CNI plugin's own ADD is in the CNI section. Each run makes a fresh network namespace with `lo` and a veth `eth0` (untimed; the peer stays inside the netns), then times one process from spawn to exit: `sidestep enroll --netns … --interface eth0 --pod-ip …` (writes the pod's map entries and attaches tc ingress inside the netns), or `iptables-legacy-restore --noflush -w 5` of Istio's default ruleset ({} lines), started inside the netns (setns between fork and exec, no `ip netns exec`). The two alternate; each has two untimed warm-up runs. `sidestep unenroll` runs untimed after each enroll and is shown for information (Istio's DEL has no iptables counterpart: the rules die with the netns).\n",
+            "## Enrol latency (command-line tools)\n\nThe `sidestep enroll` CLI (what an operator runs by hand), against the same iptables install; the CNI plugin's own ADD is in the CNI section. Each run makes a fresh network namespace with `lo` and a veth `eth0` (untimed; the peer stays inside the netns), then times one process from spawn to exit: `sidestep enroll --netns … --interface eth0 --pod-ip …` (writes the pod's map entries and attaches the netns's identity and sk_lookup links: nothing listens in the fresh netns, so the default hook is sk_lookup), or `iptables-legacy-restore --noflush -w 5` of Istio's default ruleset ({} lines), started inside the netns (setns between fork and exec, no `ip netns exec`). The two alternate; each has two untimed warm-up runs. `sidestep unenroll` runs untimed after each enroll and is shown for information (Istio's DEL has no iptables counterpart: the rules die with the netns).\n",
             e.ruleset_lines
         );
         let _ = writeln!(

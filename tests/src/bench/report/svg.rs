@@ -14,7 +14,9 @@ impl Report {
         const TOP: f64 = 84.0;
         const LABEL_W: f64 = 150.0;
         const BAR_W: f64 = 195.0;
-        let colors = ["#8c8c8c", "#4c78a8", "#e45756", "#54a24b", "#b279a2"];
+        let colors: [&str; Mode::COUNT] = [
+            "#8c8c8c", "#4c78a8", "#e45756", "#54a24b", "#88d27a", "#b279a2",
+        ];
 
         struct Panel {
             title: String,

@@ -87,7 +87,7 @@ fn table_rows_match_their_headers() {
         }
     }
     assert!(md.contains(
-        "| figure | direct | explicit proxy | iptables | sidestep | sidestep + sk_msg |"
+        "| figure | direct | explicit proxy | iptables | sidestep | sidestep, tc hook | sidestep + sk_msg |"
     ));
 }
 
