@@ -7,21 +7,7 @@
 use aya_ebpf::EbpfContext;
 use aya_log_ebpf::info;
 
-/// `addr` (IPv6 words in network byte order) as the 16 bytes aya-log prints as an address.
-#[inline(always)]
-fn addr_bytes(addr: &[u32; 4]) -> [u8; 16] {
-    let mut bytes = [0u8; 16];
-    let mut i = 0;
-    while i < 4 {
-        let word = addr[i].to_ne_bytes();
-        bytes[i * 4] = word[0];
-        bytes[i * 4 + 1] = word[1];
-        bytes[i * 4 + 2] = word[2];
-        bytes[i * 4 + 3] = word[3];
-        i += 1;
-    }
-    bytes
-}
+use crate::policy::addr_bytes;
 
 /// A connect's verdict: `kind` 0 is passed, else the `redirect_kind`.
 #[inline(always)]

@@ -42,6 +42,16 @@ pub fn cidr_listed(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> bool {
 #[inline(always)]
 fn cidr_value(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> Option<u8> {
     // Full-length key: the trie returns the longest stored prefix that covers the address.
+    let key = Key::new(
+        CIDR_KEY_FIXED_BITS + 128,
+        CidrKey::new(netns_cookie, list, addr_bytes(addr)),
+    );
+    SIDESTEP_CIDRS.get(&key).copied()
+}
+
+/// `addr` (IPv6 words in network byte order) as its 16 bytes in network order.
+#[inline(always)]
+pub fn addr_bytes(addr: &[u32; 4]) -> [u8; 16] {
     let mut bytes = [0u8; 16];
     let mut i = 0;
     while i < 4 {
@@ -52,11 +62,7 @@ fn cidr_value(netns_cookie: u64, list: u32, addr: &[u32; 4]) -> Option<u8> {
         bytes[i * 4 + 3] = word[3];
         i += 1;
     }
-    let key = Key::new(
-        CIDR_KEY_FIXED_BITS + 128,
-        CidrKey::new(netns_cookie, list, bytes),
-    );
-    SIDESTEP_CIDRS.get(&key).copied()
+    bytes
 }
 
 /// Whether a connect to a destination off the pod leaves through one of the pod's excluded
