@@ -2,7 +2,7 @@
 //! by the real CNI plugins. Every server pod runs nginx (:80), a sockperf server (:11111) and an
 //! iperf3 server (:5201); every pod but the direct lane's has a HAProxy sidecar.
 //!
-//! Each mode has its own pods, so all four are set up once and the rounds interleave them
+//! Each mode has its own pods, so all of them are set up once and the rounds interleave them
 //! without reconfiguring anything between runs. The sidestep lane's processes run in a second
 //! test env, the only cgroup sidestep's programs are attached to; the other lanes run in a
 //! cgroup with nothing attached, so the baselines pay no BPF cost at all.
