@@ -15,6 +15,7 @@ use super::{
     Ctx, Resolved, Uncaptured, args_label, pod_label, require_loaded, resolve, uncaptured,
 };
 use sidestep::{
+    enroll::hook::TcBecause,
     error::EnrollError,
     policy::{InboundHook, Policy},
     sys::failpoint,
@@ -271,25 +272,21 @@ fn inbound_hook(
     if hook != InboundHook::SkLookup || policy.inbound_port == 0 {
         return hook;
     }
-    if let Some(enrolled) = ctx.dp.enrolled_hook(cookie) {
-        return enrolled;
-    }
-    match ctx.dp.listening(netns, policy.inbound_port) {
-        Ok(false) => hook,
-        Ok(true) => {
-            tracing::info!(
-                "{who}: port {} already listens in the netns (a running pod); inbound through tc",
-                policy.inbound_port
-            );
-            InboundHook::Tc
+    let decided = sidestep::enroll::hook::decide(ctx.dp.enrolled_hook(cookie), || {
+        ctx.dp
+            .listening(netns, policy.inbound_port)
+            .map_err(|e| e.to_string())
+    });
+    decided.unwrap_or_else(|because| {
+        match because {
+            TcBecause::EnrolledWithTc => {}
+            TcBecause::AlreadyListening => {
+                tracing::info!("{who}: {because}; inbound through tc");
+            }
+            TcBecause::Unknown(_) => tracing::warn!("{who}: {because}; inbound through tc"),
         }
-        Err(e) => {
-            tracing::warn!(
-                "{who}: cannot tell whether the proxy listens already ({e}); inbound through tc"
-            );
-            InboundHook::Tc
-        }
-    }
+        InboundHook::Tc
+    })
 }
 
 /// Enrolments an ADD makes before it gives up on a data path that keeps being reloaded.

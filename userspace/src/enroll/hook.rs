@@ -1,6 +1,6 @@
 //! The inbound hook when the operator named none: `sk_lookup` (no per-packet program, no TCX
-//! attach), except where it cannot work. The CNI plugin applies the same rule at ADD
-//! (cni/src/ops/add.rs), so both entry points give one default.
+//! attach), except where it cannot work. [`decide`] is the rule; the CLI ([`default_hook`]) and
+//! the CNI plugin's ADD (cni/src/ops/add.rs) both apply it, so both entry points give one default.
 
 use std::path::Path;
 
@@ -13,12 +13,30 @@ pub enum TcBecause {
     EnrolledWithTc,
     /// Something listens on the inbound port already (a running pod): sk_lookup learns a proxy's
     /// listener only from a listen(2) after enrolment.
-    AlreadyListening(u16),
+    AlreadyListening,
     /// The netns's sockets could not be read: counted as a listener.
     Unknown(String),
 }
 
-/// `sk_lookup`, or `tc` and the reason.
+/// The rule itself, from what is known of the netns: the hook it is enrolled with (if it is),
+/// and whether something listens on the inbound port (asked only when it is not enrolled).
+pub fn decide(
+    enrolled: Option<InboundHook>,
+    listening: impl FnOnce() -> Result<bool, String>,
+) -> Result<InboundHook, TcBecause> {
+    match enrolled {
+        Some(InboundHook::Tc) => return Err(TcBecause::EnrolledWithTc),
+        Some(InboundHook::SkLookup) => return Ok(InboundHook::SkLookup),
+        None => {}
+    }
+    match listening() {
+        Ok(false) => Ok(InboundHook::SkLookup),
+        Ok(true) => Err(TcBecause::AlreadyListening),
+        Err(e) => Err(TcBecause::Unknown(e)),
+    }
+}
+
+/// `sk_lookup`, or `tc` and the reason, for a netns enrolled by hand.
 pub fn default_hook(
     pin_root: &Path,
     netns: &Netns,
@@ -32,26 +50,21 @@ pub fn default_hook(
         let pod = maps.pods.get(&cookie, 0).ok()?;
         InboundHook::of_pod_flags(pod.flags)
     });
-    match enrolled {
-        Some(InboundHook::Tc) => return Err(TcBecause::EnrolledWithTc),
-        Some(InboundHook::SkLookup) => return Ok(InboundHook::SkLookup),
-        None => {}
-    }
-    match netns.run(|| crate::netns::tcp_listening_on(inbound_port)) {
-        Ok(false) => Ok(InboundHook::SkLookup),
-        Ok(true) => Err(TcBecause::AlreadyListening(inbound_port)),
-        Err(e) => Err(TcBecause::Unknown(e.to_string())),
-    }
+    decide(enrolled, || {
+        netns
+            .run(|| crate::netns::tcp_listening_on(inbound_port))
+            .map_err(|e| e.to_string())
+    })
 }
 
 impl std::fmt::Display for TcBecause {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::EnrolledWithTc => write!(f, "the netns is enrolled with the tc hook already"),
-            Self::AlreadyListening(port) => write!(
+            Self::AlreadyListening => write!(
                 f,
-                "port {port} already listens in the netns (sk_lookup learns a proxy's listener \
-                 only from a listen(2) after enrolment)"
+                "the inbound port already listens in the netns (a running pod: sk_lookup learns \
+                 a proxy's listener only from a listen(2) after enrolment)"
             ),
             Self::Unknown(e) => write!(f, "cannot tell whether the proxy listens already ({e})"),
         }
