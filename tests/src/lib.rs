@@ -26,6 +26,7 @@ pub mod cni;
 pub mod env;
 pub mod faults;
 pub mod haproxy;
+pub mod istio_ambient;
 pub mod istio_iptables;
 pub mod net;
 pub mod netns;

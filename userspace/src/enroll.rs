@@ -81,7 +81,12 @@ pub fn enroll_netns(
     let facts = facts::read(netns, !policy.exclude_interfaces.is_empty())?;
     // The proxy's IDs as the kernel sees them: a user-namespaced pod's UID 1337 is another UID
     // on the host, and the programs compare with `bpf_get_current_uid_gid`.
-    let host_ids = crate::userns::proxy_ids_on_host(netns, policy.proxy_uid, policy.proxy_gid)?;
+    // Ambient mode knows ztunnel by its socket mark, which no user namespace translates.
+    let host_ids = if policy.ambient {
+        None
+    } else {
+        crate::userns::proxy_ids_on_host(netns, policy.proxy_uid, policy.proxy_gid)?
+    };
     let mut entries = policy.to_map_entries(netns_cookie);
     let mut netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
     netns_keys.proxy_host_ids = host_ids;
@@ -91,10 +96,11 @@ pub fn enroll_netns(
         .extend(netns_keys.addresses.iter().map(address_words));
     // Before the pod entry: the proxy may bind to ::6 as soon as its pod is captured.
     passthrough::add_ipv6(netns)?;
-    // TPROXY's return route goes in before the pod entry that starts marking connections.
-    let tproxy_mode = entries.pod.flags & flags::TPROXY != 0;
-    if tproxy_mode {
-        tproxy::configure(netns, true)?;
+    // The return route (TPROXY, ambient) goes in before the pod entry that starts marking
+    // connections.
+    let return_route = tproxy::ReturnRoute::of_pod_flags(entries.pod.flags);
+    if let Some(route) = return_route {
+        tproxy::configure(netns, route, true)?;
     }
     let written = write_netns_keys(&mut maps, netns_cookie, &netns_keys, was_enrolled)
         .and_then(|()| write_entries(&mut maps, netns_cookie, &entries));
@@ -102,15 +108,15 @@ pub fn enroll_netns(
         if !was_enrolled {
             let _ = unenroll_cookie(&mut maps, netns_cookie);
         }
-        if tproxy_mode && !was_enrolled {
-            let _ = tproxy::configure(netns, false);
+        if let Some(route) = return_route.filter(|_| !was_enrolled) {
+            let _ = tproxy::configure(netns, route, false);
         }
         return Err(e.into());
     }
     crate::sys::failpoint("enroll:after-maps");
     let undo_tproxy = || {
-        if tproxy_mode && !was_enrolled {
-            let _ = tproxy::configure(netns, false);
+        if let Some(route) = return_route.filter(|_| !was_enrolled) {
+            let _ = tproxy::configure(netns, route, false);
         }
     };
     // Re-routed virtual interfaces skip inbound capture (istio-iptables: `-i <nic> -j RETURN`).
@@ -180,12 +186,12 @@ pub fn enroll_netns(
         undo_tproxy();
         return Err(e);
     }
-    if !tproxy_mode
-        && previous_flags.is_some_and(|f| f & flags::TPROXY != 0)
-        && let Err(e) = tproxy::configure(netns, false)
+    if let Some(previous) = previous_flags.and_then(tproxy::ReturnRoute::of_pod_flags)
+        && return_route != Some(previous)
+        && let Err(e) = tproxy::configure(netns, previous, false)
     {
-        // Harmless if left: only TPROXY-marked packets take that route.
-        tracing::warn!("re-enrolled in REDIRECT mode, but the TPROXY route stays: {e}");
+        // Harmless if left: only packets with that mark take that route.
+        tracing::warn!("re-enrolled in another mode, but the previous return route stays: {e}");
     }
     let (interfaces, inbound_ifindexes) = attached.into_iter().unzip();
     Ok(Enrolled {

@@ -161,6 +161,11 @@ struct PolicyArgs {
     /// or the netns is enrolled with `tc`, as the CNI plugin decides.
     #[arg(long)]
     inbound_hook: Option<policy::InboundHook>,
+    /// Istio ambient mode: istio-cni's in-pod rules, to an unmodified ztunnel that opens its
+    /// listeners in the pod's netns and marks its own sockets (`--dns-capture` for its DNS
+    /// proxy, `--include-inbound-ports ""` for `ambient.istio.io/bypass-inbound-capture`).
+    #[arg(long)]
+    ambient: bool,
     /// The pod's own address (repeatable), for hairpin detection.
     #[arg(long = "pod-ip")]
     pod_ips: Vec<std::net::IpAddr>,
@@ -181,8 +186,13 @@ impl PolicyArgs {
                 serde_json::from_value(value)
                     .with_context(|| format!("parsing policy file {}", path.display()))?
             }
+            None if self.ambient => Policy::istio_ambient(false, false),
             None => Policy::default(),
         };
+        if self.ambient {
+            p.ambient = true;
+            p.hairpin = false;
+        }
         p.proxy_uid = self.proxy_uid.unwrap_or(p.proxy_uid);
         p.proxy_gid = self.proxy_gid.unwrap_or(p.proxy_gid);
         p.outbound_port = self.outbound_port.unwrap_or(p.outbound_port);

@@ -10,7 +10,8 @@ use std::{
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use sidestep_abi::{
-    CIDR_KEY_FIXED_BITS, CidrKey, PodPolicy, PortKey, cidr_list, defaults, flags, port_list,
+    CIDR_KEY_FIXED_BITS, CidrKey, PodPolicy, PortKey, ambient, cidr_list, defaults, flags,
+    port_list,
 };
 
 use crate::error::PolicyError;
@@ -287,6 +288,11 @@ pub struct Policy {
     /// and those enrolled with tc.
     #[serde(default = "tc_when_unrecorded")]
     pub inbound_hook: InboundHook,
+    /// Istio ambient mode: the proxy is ztunnel in its own pod, known by its socket mark, and
+    /// the decision is istio-cni's in-pod ruleset ([`Policy::istio_ambient`]). Written only
+    /// when on.
+    #[serde(skip_serializing_if = "is_false")]
+    pub ambient: bool,
 }
 
 impl Default for Policy {
@@ -314,6 +320,7 @@ impl Default for Policy {
             sk_msg: false,
             debug: false,
             inbound_hook: InboundHook::SkLookup,
+            ambient: false,
         }
     }
 }
@@ -379,6 +386,24 @@ fn all_addresses() -> IpNet {
 }
 
 impl Policy {
+    /// istio-cni's in-pod rules for an ambient pod: every outbound TCP destination off the pod
+    /// to ztunnel's 15001, every inbound TCP port but HBONE's 15008 to its 15006, DNS to its
+    /// 15053 when `dns_capture` (Istio's `ambient.dnsCapture`, on by default), ztunnel's own
+    /// sockets by their mark. `bypass_inbound` is `ambient.istio.io/bypass-inbound-capture`.
+    pub fn istio_ambient(dns_capture: bool, bypass_inbound: bool) -> Self {
+        Self {
+            include_inbound_ports: if bypass_inbound {
+                PortSet::none()
+            } else {
+                PortSet::All
+            },
+            dns_capture,
+            hairpin: false,
+            ambient: true,
+            ..Self::default()
+        }
+    }
+
     /// Checks what serde cannot: values that parse but make no sense together.
     pub fn validate(&self) -> Result<(), PolicyError> {
         for (field, port) in [
@@ -393,6 +418,15 @@ impl Policy {
                 });
             }
         }
+        if self.ambient && self.interception_mode == InterceptionMode::Tproxy {
+            return Err(PolicyError::Value {
+                field: "interceptionMode".into(),
+                value: "TPROXY".into(),
+                reason: "ambient mode has no TPROXY interception (ztunnel's in-pod rules are \
+                         REDIRECT only)"
+                    .into(),
+            });
+        }
         if self.outbound_port == self.inbound_port {
             return Err(PolicyError::Value {
                 field: "inboundPort".into(),
@@ -403,9 +437,15 @@ impl Policy {
         Ok(())
     }
 
-    /// Inbound ports that are never captured: Istio's fixed four plus the pod's own.
+    /// Inbound ports that are never captured: Istio's fixed four plus the pod's own (ambient:
+    /// HBONE's 15008 alone).
     pub fn effective_inbound_excludes(&self) -> BTreeSet<u16> {
-        let mut ports: BTreeSet<u16> = defaults::ALWAYS_EXCLUDED_INBOUND.into_iter().collect();
+        let fixed: &[u16] = if self.ambient {
+            &ambient::EXCLUDED_INBOUND
+        } else {
+            &defaults::ALWAYS_EXCLUDED_INBOUND
+        };
+        let mut ports: BTreeSet<u16> = fixed.iter().copied().collect();
         if let PortSet::Only(own) = &self.exclude_inbound_ports {
             ports.extend(own);
         }
@@ -522,6 +562,9 @@ impl Policy {
         if self.inbound_hook == InboundHook::SkLookup {
             f |= flags::INBOUND_SK_LOOKUP;
         }
+        if self.ambient {
+            f |= flags::AMBIENT;
+        }
         // Inbound capture is netns-wide, with the excluded interfaces listed apart.
         f |= flags::NETNS_WIDE;
         if !self.exclude_interfaces.is_empty() {
@@ -533,8 +576,17 @@ impl Policy {
         ports.dedup();
         MapEntries {
             pod: PodPolicy {
-                proxy_uid: self.proxy_uid,
-                proxy_gid: self.proxy_gid,
+                // Ambient: ztunnel's mark and mask in the identity fields (sidestep_abi::ambient).
+                proxy_uid: if self.ambient {
+                    ambient::MARK
+                } else {
+                    self.proxy_uid
+                },
+                proxy_gid: if self.ambient {
+                    ambient::MARK_MASK
+                } else {
+                    self.proxy_gid
+                },
                 outbound_port: self.outbound_port,
                 inbound_port: self.inbound_port,
                 dns_port: self.dns_port,

@@ -14,6 +14,10 @@
 //!
 //! Connections from outside the pod never carry a mark (it is scrubbed when a packet changes
 //! netns), so `tcp_fwmark_accept` changes nothing for them.
+//!
+//! Istio's ambient mode needs the same way back for ztunnel's connections to its pod's app from
+//! the client's address, with its own numbers ([`ReturnRoute::AMBIENT`]: connection mark
+//! 0x111/0xfff, table 100, priority 32764, as istio-cni's in-pod rules).
 
 use std::{fs, io, path::Path};
 
@@ -22,7 +26,11 @@ use netlink_packet_route::{
     route::{RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
-use sidestep_abi::defaults::{TPROXY_MARK, TPROXY_ROUTE_TABLE};
+use sidestep_abi::{
+    ambient,
+    defaults::{TPROXY_MARK, TPROXY_ROUTE_TABLE},
+    flags,
+};
 
 use crate::{netns::Netns, rtnl::Rtnl};
 
@@ -42,9 +50,48 @@ pub enum TproxyError {
     },
 }
 
+/// A policy route that delivers a proxy's marked return traffic on `lo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReturnRoute {
+    pub mark: u32,
+    /// `None`: the whole mark must match.
+    pub mask: Option<u32>,
+    pub table: u32,
+    /// `None`: the kernel picks the priority.
+    pub priority: Option<u32>,
+}
+
+impl ReturnRoute {
+    /// Istio's TPROXY interception mode (`tproxy.ConfigureRoutes`).
+    pub const TPROXY: Self = Self {
+        mark: TPROXY_MARK,
+        mask: None,
+        table: TPROXY_ROUTE_TABLE,
+        priority: None,
+    };
+    /// istio-cni's in-pod ambient routing.
+    pub const AMBIENT: Self = Self {
+        mark: ambient::CONN_MARK,
+        mask: Some(ambient::MARK_MASK),
+        table: ambient::ROUTE_TABLE,
+        priority: Some(ambient::RULE_PRIORITY),
+    };
+
+    /// The route a pod entry with these flags needs, if any.
+    pub fn of_pod_flags(pod_flags: u32) -> Option<Self> {
+        if pod_flags & flags::AMBIENT != 0 {
+            Some(Self::AMBIENT)
+        } else if pod_flags & flags::TPROXY != 0 {
+            Some(Self::TPROXY)
+        } else {
+            None
+        }
+    }
+}
+
 /// Installs (`on`) or removes the TPROXY routing of the netns. Both are idempotent, so a repeated
 /// ADD, or a re-enrolment that switches the pod to REDIRECT, converges.
-pub fn configure(netns: &Netns, on: bool) -> Result<(), TproxyError> {
+pub fn configure(netns: &Netns, route: ReturnRoute, on: bool) -> Result<(), TproxyError> {
     let failed = |step: &str, source: io::Error| TproxyError::Route {
         netns: netns.path().display().to_string(),
         step: step.into(),
@@ -56,7 +103,7 @@ pub fn configure(netns: &Netns, on: bool) -> Result<(), TproxyError> {
         } else {
             &[AddressFamily::Inet][..]
         };
-        Ok(apply(on, families).err())
+        Ok(apply(route, on, families).err())
     });
     match outcome {
         Ok(None) => Ok(()),
@@ -67,40 +114,50 @@ pub fn configure(netns: &Netns, on: bool) -> Result<(), TproxyError> {
 
 /// The steps in order; the first failure names its step. Removal clears the sysctl first so that
 /// no new connection is marked for a route that is about to go.
-fn apply(on: bool, families: &[AddressFamily]) -> Result<(), (&'static str, io::Error)> {
+fn apply(
+    route: ReturnRoute,
+    on: bool,
+    families: &[AddressFamily],
+) -> Result<(), (&'static str, io::Error)> {
     let at = |step: &'static str| move |e: io::Error| (step, e);
     let mut rtnl = Rtnl::open().map_err(at("open a netlink socket"))?;
     if on {
         for &family in families {
-            rtnl.route(family, true)
-                .map_err(at("add route table 133"))?;
-            rtnl.rule(family, true)
-                .map_err(at("add rule fwmark 1337"))?;
+            rtnl.route(route, family, true)
+                .map_err(at("add the local route"))?;
+            rtnl.rule(route, family, true)
+                .map_err(at("add the fwmark rule"))?;
         }
         fs::write(FWMARK_ACCEPT, "1\n").map_err(at("set tcp_fwmark_accept"))?;
     } else {
         fs::write(FWMARK_ACCEPT, "0\n").map_err(at("clear tcp_fwmark_accept"))?;
         for &family in families {
-            rtnl.rule(family, false)
-                .map_err(at("delete rule fwmark 1337"))?;
-            rtnl.route(family, false)
-                .map_err(at("delete route table 133"))?;
+            rtnl.rule(route, family, false)
+                .map_err(at("delete the fwmark rule"))?;
+            rtnl.route(route, family, false)
+                .map_err(at("delete the local route"))?;
         }
     }
     Ok(())
 }
 
 impl Rtnl {
-    /// `ip rule {add,del} fwmark 1337 lookup 133`.
-    fn rule(&mut self, family: AddressFamily, add: bool) -> io::Result<()> {
+    /// `ip rule {add,del} fwmark MARK[/MASK] [pref P] lookup TABLE`.
+    fn rule(&mut self, route: ReturnRoute, family: AddressFamily, add: bool) -> io::Result<()> {
         let mut msg = RuleMessage::default();
         msg.header.family = family;
         msg.header.action = RuleAction::ToTable;
-        msg.header.table = TPROXY_ROUTE_TABLE as u8;
+        msg.header.table = route.table as u8;
         msg.attributes = vec![
-            RuleAttribute::FwMark(TPROXY_MARK),
-            RuleAttribute::Table(TPROXY_ROUTE_TABLE),
+            RuleAttribute::FwMark(route.mark),
+            RuleAttribute::Table(route.table),
         ];
+        if let Some(mask) = route.mask {
+            msg.attributes.push(RuleAttribute::FwMask(mask));
+        }
+        if let Some(priority) = route.priority {
+            msg.attributes.push(RuleAttribute::Priority(priority));
+        }
         let request = if add {
             RouteNetlinkMessage::NewRule(msg)
         } else {
@@ -109,16 +166,16 @@ impl Rtnl {
         self.request(request, add)
     }
 
-    /// `ip route {add,del} local default dev lo table 133`.
-    fn route(&mut self, family: AddressFamily, add: bool) -> io::Result<()> {
+    /// `ip route {add,del} local default dev lo table TABLE`.
+    fn route(&mut self, route: ReturnRoute, family: AddressFamily, add: bool) -> io::Result<()> {
         let mut msg = RouteMessage::default();
         msg.header.address_family = family;
-        msg.header.table = TPROXY_ROUTE_TABLE as u8;
+        msg.header.table = route.table as u8;
         msg.header.protocol = RouteProtocol::Boot;
         msg.header.scope = RouteScope::Host;
         msg.header.kind = RouteType::Local;
         msg.attributes = vec![
-            RouteAttribute::Table(TPROXY_ROUTE_TABLE),
+            RouteAttribute::Table(route.table),
             RouteAttribute::Oif(LOOPBACK_IFINDEX),
         ];
         let request = if add {

@@ -114,6 +114,33 @@ pub mod defaults {
     pub const PASSTHROUGH_V6: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6];
 }
 
+/// Istio ambient mode (`flags::AMBIENT`): the constants of istio-cni's in-pod rules
+/// (`cni/pkg/config`), which an unmodified ztunnel relies on. ztunnel runs in its own pod and
+/// opens its listeners inside each ambient pod's netns (15001 outbound, 15006 inbound plaintext,
+/// 15008 HBONE, 15053 DNS), marking every socket it makes there; the mark, not a UID, tells its
+/// traffic apart. In ambient mode `PodPolicy::proxy_uid` holds [`MARK`] and `proxy_gid` [`MARK_MASK`].
+pub mod ambient {
+    /// ztunnel's `PACKET_MARK` (Istio's InpodMark).
+    pub const MARK: u32 = 0x539;
+    pub const MARK_MASK: u32 = 0xfff;
+    /// Istio's InpodTProxyMark, a connmark there: the mark that routes the app's replies on a
+    /// connection ztunnel opened from the client's own address back to ztunnel. sidestep sets it
+    /// on ztunnel's socket at connect; `tcp_fwmark_accept` carries it to the app's socket.
+    pub const CONN_MARK: u32 = 0x111;
+    /// Istio's RouteTableInbound and the priority of its `ip rule` (`fwmark 0x111/0xfff`).
+    pub const ROUTE_TABLE: u32 = 100;
+    pub const RULE_PRIORITY: u32 = 32764;
+    /// The source kubelet's probes are SNATed to on the node (HOST_PROBE_SNAT_IP): never
+    /// captured inbound, and replies to it never captured outbound.
+    pub const PROBE_SNAT_V4: [u8; 4] = [169, 254, 7, 127];
+    pub const PROBE_SNAT_V6: [u8; 16] = [
+        0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+        0xff,
+    ];
+    /// The only inbound port ambient never captures (ztunnel's HBONE listener).
+    pub const EXCLUDED_INBOUND: [u16; 1] = [15008];
+}
+
 /// `PodPolicy::flags` bits.
 pub mod flags {
     /// Inbound TCP is captured (includeInboundPorts is not empty).
@@ -152,6 +179,9 @@ pub mod flags {
     /// The programs log each verdict for this pod through aya-log (`sidestep.io/debug`). Off,
     /// it costs one flag test per decision.
     pub const DEBUG: u32 = 1 << 15;
+    /// Istio ambient mode: the proxy is ztunnel, known by its socket mark (`ambient::MARK`),
+    /// and the decision is istio-cni's in-pod ruleset (docs/ARCHITECTURE.md, "Ambient mode").
+    pub const AMBIENT: u32 = 1 << 16;
 }
 
 /// Which rule decided a connect or an inbound SYN, as the debug log reports it. The numbered
@@ -178,6 +208,17 @@ pub mod rule {
     pub const NOT_CAPTURED_PROTOCOL: u16 = 102;
     /// TPROXY mode: the proxy's transparent connection to its app.
     pub const TPROXY_PASSTHROUGH: u16 = 103;
+    /// Ambient: the rules of istio-cni's in-pod ISTIO_OUTPUT chain (nat), numbered in order.
+    pub const AMBIENT_PROBE_REPLY: u16 = 111;
+    pub const AMBIENT_DNS_UDP: u16 = 112;
+    pub const AMBIENT_DNS_TCP: u16 = 113;
+    pub const AMBIENT_CONN_MARK: u16 = 114;
+    pub const AMBIENT_LOOPBACK: u16 = 115;
+    pub const AMBIENT_OUTBOUND: u16 = 116;
+    /// Ambient: ztunnel's own socket (its mark), or the end of the chain.
+    pub const AMBIENT_ZTUNNEL: u16 = 117;
+    /// Ambient: ztunnel's connection to its pod's app from the client's address.
+    pub const AMBIENT_ORIG_SRC: u16 = 118;
     /// Inbound: the port is captured (ISTIO_INBOUND).
     pub const IN_CAPTURED_PORT: u16 = 200;
     /// Inbound: excluded port, or not in includeInboundPorts.
@@ -186,6 +227,8 @@ pub mod rule {
     pub const IN_EXCLUDED_INTERFACE: u16 = 202;
     /// Inbound: captured, but no proxy listener to hand it to, so refused.
     pub const IN_NO_LISTENER: u16 = 203;
+    /// Ambient inbound: from the probe SNAT address (kubelet's probes), never captured.
+    pub const IN_PROBE_SOURCE: u16 = 204;
 
     /// The rule's name, for logs.
     pub const fn name(rule: u16) -> &'static str {
@@ -206,10 +249,19 @@ pub mod rule {
             EXCLUDED_INTERFACE => "excludeInterfaces",
             NOT_CAPTURED_PROTOCOL => "protocol not captured",
             TPROXY_PASSTHROUGH => "TPROXY passthrough",
+            AMBIENT_PROBE_REPLY => "ambient: to the probe SNAT address",
+            AMBIENT_DNS_UDP => "ambient: DNS over UDP",
+            AMBIENT_DNS_TCP => "ambient: DNS over TCP",
+            AMBIENT_CONN_MARK => "ambient: ztunnel connection mark",
+            AMBIENT_LOOPBACK => "ambient: over lo",
+            AMBIENT_OUTBOUND => "ambient: outbound to ztunnel",
+            AMBIENT_ZTUNNEL => "ambient: ztunnel's own socket",
+            AMBIENT_ORIG_SRC => "ambient: ztunnel to its app from the client address",
             IN_CAPTURED_PORT => "inbound port captured",
             IN_PORT_NOT_CAPTURED => "inbound port not captured",
             IN_EXCLUDED_INTERFACE => "excludeInterfaces (inbound)",
             IN_NO_LISTENER => "inbound port captured, no proxy listener: refused",
+            IN_PROBE_SOURCE => "ambient: from the probe SNAT address",
             _ => "unknown rule",
         }
     }

@@ -18,6 +18,7 @@ use sidestep_abi::{
 };
 
 use crate::{
+    ambient,
     context::{load, load_ip6, store, store_ip6},
     debuglog,
     maps::SIDESTEP_ORIG,
@@ -103,8 +104,11 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         mark,
         bound_dev_if,
     };
-    let tproxy_passthrough = policy::is_tproxy_passthrough(&decision);
-    let verdict = if tproxy_passthrough {
+    let ambient_passthrough = ambient::is_orig_src_passthrough(&decision);
+    let tproxy_passthrough = ambient_passthrough || policy::is_tproxy_passthrough(&decision);
+    let verdict = if ambient_passthrough {
+        Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH, rule::AMBIENT_ORIG_SRC)
+    } else if tproxy_passthrough {
         Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH, rule::TPROXY_PASSTHROUGH)
     } else {
         policy::outbound_verdict(&decision)
@@ -151,7 +155,7 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     if tproxy_passthrough {
         // Kept as it is: the storage only lets sockops publish the 4-tuple for sk_lookup.
         // SAFETY: `sk` is the full socket checked above.
-        unsafe { mark_tproxy(ctx, sk) };
+        unsafe { mark_passthrough(ctx, sk, ambient_passthrough) };
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
         return true;
     }
@@ -174,19 +178,26 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     true
 }
 
-/// Gives the proxy's transparent socket the TPROXY mark before its SYN is routed, unless the
-/// proxy marked it already (Envoy's original_src does). With `tcp_fwmark_accept` set in the pod,
-/// the app's accepted socket inherits the mark, so its replies take the policy route to `lo`.
+/// Gives the proxy's transparent socket the mark of its way back before its SYN is routed. With
+/// `tcp_fwmark_accept` set in the pod, the app's accepted socket inherits the mark, so its
+/// replies take the policy route to `lo`. TPROXY mode: the TPROXY mark, unless the proxy marked
+/// the socket already (Envoy's original_src does). Ambient: ztunnel's mark becomes the connection
+/// mark in its low 12 bits, as Istio's connmark gives the replies (its own mark would send
+/// ztunnel's outbound traffic to `lo` too).
 ///
 /// # Safety
 /// `sk` must be the full socket of this connect program's context.
 #[inline(always)]
-unsafe fn mark_tproxy(ctx: &SockAddrContext, sk: *mut bpf_sock) {
+unsafe fn mark_passthrough(ctx: &SockAddrContext, sk: *mut bpf_sock, ambient: bool) {
     // SAFETY: `mark` is a 4-byte readable field of bpf_sock.
-    if unsafe { load(&raw const (*sk).mark) } != 0 {
+    let current = unsafe { load(&raw const (*sk).mark) };
+    let mut mark = if ambient {
+        (current & !sidestep_abi::ambient::MARK_MASK) | sidestep_abi::ambient::CONN_MARK
+    } else if current != 0 {
         return;
-    }
-    let mut mark = defaults::TPROXY_MARK;
+    } else {
+        defaults::TPROXY_MARK
+    };
     // SAFETY: connect programs may call bpf_setsockopt; the option value is 4 bytes on our stack.
     // A failure leaves the connection unmarked: its replies then miss the proxy and it fails,
     // which is what Istio's rules give a proxy that does not mark its socket.

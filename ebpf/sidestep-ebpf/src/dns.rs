@@ -74,7 +74,7 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         return;
     }
     // SAFETY: 4-byte context fields and socket fields, one word at a time.
-    let (dst, bound_src, bound_dev_if) = unsafe {
+    let (dst, bound_src, bound_dev_if, mark) = unsafe {
         let (dst, src) = if ipv6 {
             (
                 load_ip6(&raw const (*sa).user_ip6),
@@ -86,7 +86,12 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
                 v4_mapped(load(&raw const (*sk).src_ip4)),
             )
         };
-        (dst, src, load(&raw const (*sk).bound_dev_if))
+        (
+            dst,
+            src,
+            load(&raw const (*sk).bound_dev_if),
+            load(&raw const (*sk).mark),
+        )
     };
     let uid_gid = bpf_get_current_uid_gid();
     // The same ISTIO_OUTPUT decision as connect: excluded ports, the proxy's identity, IPv6 off.
@@ -99,7 +104,8 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         dst_port: 53,
         bound_src,
         protocol: linux::IPPROTO_UDP,
-        mark: 0,
+        // Ambient mode tells ztunnel's own queries by it.
+        mark,
         bound_dev_if,
     });
     if verdict.kind != redirect_kind::DNS {

@@ -94,7 +94,9 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         return NEXT;
     };
     let dst_port = u16::from_be(seg.dst_port_be);
-    if !captures_port(netns_cookie, &pod, dst_port) {
+    // Ambient: kubelet's probes, SNATed on the node, reach the app directly.
+    let probe = crate::ambient::is_ambient(&pod) && crate::ambient::is_probe_source(&seg.src);
+    if probe || !captures_port(netns_cookie, &pod, dst_port) {
         policy::count(netns_cookie, |c| c.passed_inbound += 1);
         return NEXT;
     }

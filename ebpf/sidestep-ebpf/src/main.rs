@@ -2,6 +2,7 @@
 #![no_std]
 #![no_main]
 
+mod ambient;
 mod connect;
 mod context;
 mod debuglog;

@@ -115,7 +115,7 @@ pub fn is_loopback(addr: &[u32; 4]) -> bool {
 /// 0.0.0.0 or ::, which connect turns into 127.0.0.1 or ::1 ("this host") before any route
 /// lookup, so istio-iptables' `-d 127.0.0.1/32` rule sees it as 127.0.0.1.
 #[inline(always)]
-fn is_unspecified(addr: &[u32; 4]) -> bool {
+pub fn is_unspecified(addr: &[u32; 4]) -> bool {
     if is_v4_mapped(addr) {
         addr[3] == 0
     } else {
@@ -125,7 +125,7 @@ fn is_unspecified(addr: &[u32; 4]) -> bool {
 
 /// 127.0.0.1 or ::1, or the unspecified address that becomes them.
 #[inline(always)]
-fn is_host_loopback(addr: &[u32; 4]) -> bool {
+pub fn is_host_loopback(addr: &[u32; 4]) -> bool {
     let exact = if is_v4_mapped(addr) {
         addr[3] == LOOPBACK4_BE
     } else {
@@ -191,7 +191,7 @@ pub struct Connect<'a> {
     /// Address the socket is already bound to (all zero when unbound).
     pub bound_src: [u32; 4],
     pub protocol: u32,
-    /// The socket's SO_MARK (only connect reads it; setting it takes CAP_NET_ADMIN).
+    /// The socket's SO_MARK (setting it takes CAP_NET_ADMIN).
     pub mark: u32,
     /// The device the socket is bound to (SO_BINDTODEVICE, or a link-local scope), or 0.
     pub bound_dev_if: u32,
@@ -223,6 +223,9 @@ pub fn is_tproxy_passthrough(c: &Connect) -> bool {
 #[inline(always)]
 pub fn outbound_verdict(c: &Connect) -> Verdict {
     let p = c.policy;
+    if crate::ambient::is_ambient(p) {
+        return crate::ambient::outbound_verdict(c);
+    }
     // istio installs no ip6tables rules at all for a pod without IPv6.
     if !is_v4_mapped(&c.dst) && p.flags & flags::IPV6 == 0 {
         return Verdict::pass(rule::NO_IPV6);

@@ -22,6 +22,7 @@ use sidestep_abi::{
 };
 
 use crate::{
+    ambient,
     context::{load, load_ip6},
     debuglog,
     inbound::captures_port,
@@ -139,13 +140,21 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         server_port: port,
         _reserved: 0,
     };
-    // TPROXY: the proxy's own transparent connection to its app, from the client's address. Its
-    // SYN comes over lo, but the kernel reports the pod interface as its ingress.
+    // TPROXY: the proxy's own transparent connection to its app, from the client's address (in
+    // ambient mode ztunnel's). Its SYN comes over lo, but the kernel reports the pod interface as
+    // its ingress.
     // SAFETY: the value is read at once.
-    if pod.flags & flags::TPROXY != 0
+    if pod.flags & (flags::TPROXY | flags::AMBIENT) != 0
         && unsafe { SIDESTEP_PEND.get(pending) }
             .is_some_and(|o| o.kind == redirect_kind::TPROXY_PASSTHROUGH)
     {
+        return SK_PASS;
+    }
+    // Ambient: kubelet's probes, SNATed on the node, reach the app directly.
+    if ambient::is_ambient(&pod) && ambient::is_probe_source(&remote) {
+        if debug {
+            debuglog::inbound(&ctx, netns_cookie, &local, port, 0, rule::IN_PROBE_SOURCE);
+        }
         return SK_PASS;
     }
     if port == pod.inbound_port || !captures_port(netns_cookie, &pod, port) {

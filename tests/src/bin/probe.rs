@@ -2,7 +2,8 @@
 //! reports (peer, local address, SO_ORIGINAL_DST) as JSON lines, so tests assert exact values.
 //!
 //! ```text
-//! probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N]
+//! probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--mark N] [--transparent]
+//!     [--timeout-ms N]
 //!     connect (from a socket bound to --bind and to --device with SO_BINDTODEVICE first, if
 //!     given; within N ms, default 5000) and print {"peer","local","status"}, or
 //!     {"error","errno"} when the connect fails
@@ -72,6 +73,11 @@ fn main() {
                 flag("--http"),
                 option("--bind").map(parse),
                 option("--device"),
+                sock::Identity {
+                    mark: option("--mark")
+                        .map(|m| m.parse().expect("probe: --mark takes a number")),
+                    transparent: flag("--transparent"),
+                },
                 Duration::from_millis(timeout),
             )
         }

@@ -391,10 +391,20 @@ impl Oracle {
 
     /// Installs the ruleset of `cap` (after removing the previous one).
     pub fn apply(&mut self, cap: &IstioCapture) -> Result<()> {
+        self.apply_rules(
+            &cap.try_iptables_restore_v4()?,
+            &cap.try_iptables_restore_v6()?,
+            &cap.route_commands(),
+        )
+    }
+
+    /// Installs a ruleset given as `iptables-restore` input per family (empty: none) and `ip`
+    /// commands, after removing the previous one.
+    pub fn apply_rules(&mut self, v4: &str, v6: &str, routes: &[Vec<String>]) -> Result<()> {
         self.clear()?;
-        self.restore(false, &cap.try_iptables_restore_v4()?)?;
-        self.restore(true, &cap.try_iptables_restore_v6()?)?;
-        for argv in cap.route_commands() {
+        self.restore(false, v4)?;
+        self.restore(true, v6)?;
+        for argv in routes {
             let args: Vec<&str> = argv.iter().map(String::as_str).collect();
             let out = self.in_netns(&args).output()?;
             let err = String::from_utf8_lossy(&out.stderr);

@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use aya::maps::{MapError, lpm_trie::Key};
-use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, flags, map_names};
+use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, map_names};
 
 use super::{NetnsKeys, reroute_names, route_entry};
 use crate::{
@@ -389,18 +389,19 @@ pub fn unenroll_attachment(
 }
 
 /// Unenrols the netns at `netns_path`: its map entries and its tc links.
-/// A TPROXY pod also loses its return route; [`unenroll_by_cookie`] cannot reach the netns, and
+/// A TPROXY or ambient pod also loses its return route; [`unenroll_by_cookie`] cannot reach the netns, and
 /// leaves the route to die with it.
 pub fn unenroll(pin_root: &Path, netns_path: &Path) -> Result<bool, EnrollError> {
     let netns = Netns::open(netns_path)?;
     let netns_cookie = netns.cookie()?;
-    let tproxy_mode = PolicyMaps::open(pin_root)?
+    let return_route = PolicyMaps::open(pin_root)?
         .pods
         .get(&netns_cookie, 0)
-        .is_ok_and(|p| p.flags & flags::TPROXY != 0);
+        .ok()
+        .and_then(|p| tproxy::ReturnRoute::of_pod_flags(p.flags));
     let was = unenroll_by_cookie(pin_root, netns_cookie)?;
-    if tproxy_mode {
-        tproxy::configure(&netns, false)?;
+    if let Some(route) = return_route {
+        tproxy::configure(&netns, route, false)?;
     }
     Ok(was)
 }

@@ -153,3 +153,35 @@ fn a_recorded_policy_makes_the_same_map_entries() {
         assert_eq!(back.to_map_entries(7), p.to_map_entries(7));
     }
 }
+
+#[test]
+fn an_ambient_pod_is_ztunnels_by_mark_with_only_hbone_excluded_inbound() {
+    let p = Policy::istio_ambient(true, false);
+    let e = p.to_map_entries(9);
+    assert_ne!(e.pod.flags & flags::AMBIENT, 0);
+    assert_ne!(e.pod.flags & flags::DNS_CAPTURE, 0);
+    assert_eq!(e.pod.flags & flags::HAIRPIN, 0);
+    assert_ne!(e.pod.flags & flags::OUTBOUND_ALL_RANGES, 0);
+    assert_eq!(
+        (e.pod.proxy_uid, e.pod.proxy_gid),
+        (ambient::MARK, ambient::MARK_MASK)
+    );
+    let excluded: Vec<u32> = e
+        .ports
+        .iter()
+        .filter(|k| k.list == port_list::INBOUND_EXCLUDE)
+        .map(|k| k.port)
+        .collect();
+    assert_eq!(excluded, vec![15008]);
+    // Ingress mode: no inbound capture at all.
+    let bypass = Policy::istio_ambient(false, true).to_map_entries(9);
+    assert_eq!(bypass.pod.flags & (flags::INBOUND | flags::DNS_CAPTURE), 0);
+    // Survives its record, and refuses TPROXY.
+    let back: Policy = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+    assert_eq!(back, p);
+    let tproxy = Policy {
+        interception_mode: InterceptionMode::Tproxy,
+        ..p
+    };
+    assert!(tproxy.validate().is_err());
+}

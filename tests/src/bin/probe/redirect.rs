@@ -7,16 +7,17 @@ use std::{
     time::Duration,
 };
 
-use crate::sock::{json_result, listen, open_connected, original_dst};
+use crate::sock::{Identity, json_result, listen, open_connected_as, original_dst};
 
 pub(super) fn connect(
     addr: SocketAddr,
     http: bool,
     source: Option<SocketAddr>,
     device: Option<&str>,
+    identity: Identity,
     timeout: Duration,
 ) -> i32 {
-    let sock = match open_connected(addr, source, device, timeout) {
+    let sock = match open_connected_as(addr, source, device, identity, timeout) {
         Ok(s) => s,
         Err(e) => {
             println!(

@@ -150,8 +150,38 @@ pub(super) fn open_connected(
     device: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<TcpStream> {
+    open_connected_as(addr, source, device, Identity::default(), timeout)
+}
+
+/// How a connecting socket presents itself beyond its addresses.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Identity {
+    /// SO_MARK (ztunnel marks every socket it opens in a pod).
+    pub(super) mark: Option<u32>,
+    /// IP_TRANSPARENT / IPV6_TRANSPARENT, to bind a source address the netns does not own.
+    pub(super) transparent: bool,
+}
+
+/// [`open_connected`] with a mark and/or a transparent socket (both need CAP_NET_ADMIN).
+pub(super) fn open_connected_as(
+    addr: SocketAddr,
+    source: Option<SocketAddr>,
+    device: Option<&str>,
+    identity: Identity,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
     let sock = tcp_socket(addr, libc::SOCK_NONBLOCK)?;
     let fd = sock.as_raw_fd();
+    if let Some(mark) = identity.mark {
+        set_int(fd, libc::SOL_SOCKET, libc::SO_MARK, mark as libc::c_int)?;
+    }
+    if identity.transparent {
+        if addr.is_ipv4() {
+            set_int(fd, libc::SOL_IP, libc::IP_TRANSPARENT, 1)?;
+        } else {
+            set_int(fd, libc::SOL_IPV6, libc::IPV6_TRANSPARENT, 1)?;
+        }
+    }
     if let Some(dev) = device {
         // SAFETY: `dev` is valid for reads of its length.
         check(unsafe {

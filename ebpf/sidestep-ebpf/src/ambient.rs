@@ -1,0 +1,108 @@
+//! Istio ambient mode: the decision of istio-cni's in-pod nat OUTPUT chain (ISTIO_OUTPUT) for a
+//! connect in an ambient pod's netns, and the two inbound exceptions of its PREROUTING chain.
+//!
+//! ztunnel is not a UID here: it runs in its own pod, enters each ambient pod's netns to open its
+//! listeners and connections there, and marks every such socket (`ambient::MARK`). The mark is
+//! what Istio's rules test, and what this module tests.
+
+use sidestep_abi::{PodPolicy, ambient, flags, is_v4_mapped, linux, redirect_kind, rule};
+
+use crate::policy::{
+    Connect, Verdict, is_host_loopback, is_loopback, is_passthrough_source, is_pod_address,
+    is_unspecified,
+};
+
+#[inline(always)]
+pub fn is_ambient(pod: &PodPolicy) -> bool {
+    pod.flags & flags::AMBIENT != 0
+}
+
+/// ztunnel's own socket. In ambient mode the pod entry's `proxy_uid` and `proxy_gid` hold the
+/// mark and its mask (`sidestep_abi::ambient`).
+#[inline(always)]
+fn is_ztunnel(c: &Connect) -> bool {
+    c.mark & c.policy.proxy_gid == c.policy.proxy_uid
+}
+
+/// 169.254.7.127 or its IPv6 twin: the source kubelet's probes are SNATed to on the node.
+#[inline(always)]
+pub fn is_probe_source(addr: &[u32; 4]) -> bool {
+    if is_v4_mapped(addr) {
+        addr[3] == u32::from_ne_bytes(ambient::PROBE_SNAT_V4)
+    } else {
+        let o = ambient::PROBE_SNAT_V6;
+        addr[0] == u32::from_ne_bytes([o[0], o[1], o[2], o[3]])
+            && addr[1] == u32::from_ne_bytes([o[4], o[5], o[6], o[7]])
+            && addr[2] == u32::from_ne_bytes([o[8], o[9], o[10], o[11]])
+            && addr[3] == u32::from_ne_bytes([o[12], o[13], o[14], o[15]])
+    }
+}
+
+/// ztunnel delivering an inbound connection to its pod's app from the client's own address
+/// (IP_TRANSPARENT, ztunnel's default when it may): never captured, and given the connection
+/// mark (`ambient::CONN_MARK`) so that the app's replies route back to ztunnel. Istio does the
+/// same with a connmark: mangle PREROUTING turns ztunnel's packet mark into it, mangle OUTPUT
+/// restores it on the replies, and `fwmark 0x111/0xfff lookup 100` delivers them on `lo`.
+#[inline(always)]
+pub fn is_orig_src_passthrough(c: &Connect) -> bool {
+    is_ambient(c.policy)
+        && c.protocol == linux::IPPROTO_TCP
+        && is_ztunnel(c)
+        && !is_unspecified(&c.bound_src)
+        && !is_loopback(&c.bound_src)
+        && is_pod_address(c.netns_cookie, &c.dst)
+        && !is_pod_address(c.netns_cookie, &c.bound_src)
+}
+
+/// istio-cni's in-pod nat ISTIO_OUTPUT, first match wins (docs/ARCHITECTURE.md, "Ambient mode";
+/// `tests/tests/parity_ambient.rs` checks it against the real rules).
+#[inline(always)]
+pub fn outbound_verdict(c: &Connect) -> Verdict {
+    let p = c.policy;
+    // The ip6tables half exists only when the pod has IPv6.
+    if !is_v4_mapped(&c.dst) && p.flags & flags::IPV6 == 0 {
+        return Verdict::pass(rule::NO_IPV6);
+    }
+    let tcp = c.protocol == linux::IPPROTO_TCP;
+    // 1. -d 169.254.7.127 -p tcp -j ACCEPT: replies to kubelet's SNATed probes.
+    if tcp && is_probe_source(&c.dst) {
+        return Verdict::pass(rule::AMBIENT_PROBE_REPLY);
+    }
+    let ztunnel = is_ztunnel(c);
+    let host_loopback = is_host_loopback(&c.dst);
+    // `-o lo`: the destination is on the pod itself (::6 is on lo too once enrolment added it).
+    let local_dst = is_loopback(&c.dst)
+        || is_unspecified(&c.dst)
+        || (!is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst))
+        || is_pod_address(c.netns_cookie, &c.dst);
+    let dns = p.flags & flags::DNS_CAPTURE != 0 && c.dst_port == 53 && !ztunnel;
+    let to_dns = |rule| Verdict::redirect(p.dns_port, redirect_kind::DNS, rule);
+    // 2. ! -o lo -p udp --dport 53, not ztunnel's: to ztunnel's DNS proxy.
+    if dns && c.protocol == linux::IPPROTO_UDP && !local_dst {
+        return to_dns(rule::AMBIENT_DNS_UDP);
+    }
+    // 3. ! -d 127.0.0.1 -p tcp --dport 53, not ztunnel's: the same (a pod address included).
+    if dns && tcp && !host_loopback {
+        return to_dns(rule::AMBIENT_DNS_TCP);
+    }
+    if !tcp {
+        return Verdict::pass(rule::NOT_CAPTURED_PROTOCOL);
+    }
+    // 4. -p tcp -m mark --mark 0x111/0xfff -j ACCEPT.
+    if c.mark & ambient::MARK_MASK == ambient::CONN_MARK {
+        return Verdict::pass(rule::AMBIENT_CONN_MARK);
+    }
+    // 5. ! -d 127.0.0.1 -o lo -j ACCEPT: the pod calling itself.
+    if local_dst && !host_loopback {
+        return Verdict::pass(rule::AMBIENT_LOOPBACK);
+    }
+    // 6. ! -d 127.0.0.1 -p tcp, not ztunnel's: to ztunnel's outbound listener.
+    if !host_loopback && !ztunnel && p.flags & flags::OUTBOUND != 0 {
+        return Verdict::redirect(p.outbound_port, redirect_kind::OUTBOUND, rule::AMBIENT_OUTBOUND);
+    }
+    Verdict::pass(if ztunnel {
+        rule::AMBIENT_ZTUNNEL
+    } else {
+        rule::END_OF_CHAIN
+    })
+}
