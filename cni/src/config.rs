@@ -121,6 +121,10 @@ pub struct PluginConfig {
     /// ADD decides and reports, and changes nothing (`decide_only`): the agent's repair modes
     /// that do not enrol (`delete`, `label`) ask the plugin's rules this way.
     pub decide_only: bool,
+    /// Istio ambient mode (`ambient_enabled`, istio-cni's key): a pod the ambient selectors pick
+    /// is enrolled with istio-cni's in-pod rules for ztunnel instead of the sidecar rules, and
+    /// the namespace is read from the API beside the pod for its labels.
+    pub ambient_enabled: bool,
     /// From runtimeConfig; `None` when the runtime did not pass them.
     pub pod_annotations: Option<BTreeMap<String, String>>,
     pub prev_result: Option<PrevResult>,
@@ -206,8 +210,8 @@ struct Raw {
     fail_strategy: Option<FailStrategy>,
     inbound_hook: Option<InboundHook>,
     decide_only: Option<bool>,
-    pod_namespace: Option<String>,
     ambient_enabled: Option<bool>,
+    pod_namespace: Option<String>,
     runtime_config: Option<RawRuntimeConfig>,
     prev_result: Option<Value>,
     valid_attachments: Option<Vec<Attachment>>,
@@ -282,8 +286,8 @@ impl PluginConfig {
             fail_strategy: take(obj, "fail_strategy")?,
             inbound_hook: take(obj, "inbound_hook")?,
             decide_only: take(obj, "decide_only")?,
-            pod_namespace: take(obj, "pod_namespace")?,
             ambient_enabled: take(obj, "ambient_enabled")?,
+            pod_namespace: take(obj, "pod_namespace")?,
             runtime_config: take(obj, "runtimeConfig")?,
             prev_result: obj.get("prevResult").filter(|v| !v.is_null()).cloned(),
             valid_attachments: take(obj, "cni.dev/valid-attachments")?,
@@ -340,10 +344,11 @@ impl PluginConfig {
                 Ok::<_, ConfigError>(p)
             })
             .transpose()?;
-        if raw.ambient_enabled == Some(true) {
-            tracing::warn!(
-                "ambient_enabled is set; sidestep-cni does sidecar capture only and ignores it"
-            );
+        if raw.ambient_enabled == Some(true) && raw.mesh.is_some_and(|m| m != Mesh::Istio) {
+            return Err(field(
+                "ambient_enabled",
+                "ambient mode is Istio's; set mesh to \"istio\" or remove ambient_enabled",
+            ));
         }
         let prev_result = match raw.prev_result {
             // DEL is best effort: a prevResult it cannot read must not keep a pod from going away.
@@ -382,6 +387,7 @@ impl PluginConfig {
             fail_strategy: raw.fail_strategy.unwrap_or_default(),
             inbound_hook: raw.inbound_hook.unwrap_or(DEFAULT_INBOUND_HOOK),
             decide_only: raw.decide_only.unwrap_or(false),
+            ambient_enabled: raw.ambient_enabled.unwrap_or(false),
             pod_annotations: raw.runtime_config.and_then(|r| r.pod_annotations),
             prev_result,
             valid_attachments: raw.valid_attachments,

@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::{
     Api, Client, Config,
     config::{KubeConfigOptions, Kubeconfig},
@@ -21,6 +21,9 @@ use crate::{mesh::Identity, podsource::PodReader};
 pub struct KubeReader {
     kubeconfig: PathBuf,
     timeout: Duration,
+    /// Also GET the pod's namespace for its labels (ambient's namespace selector), as
+    /// istio-cni's plugin does when ambient is enabled.
+    namespace_labels: bool,
 }
 
 impl KubeReader {
@@ -29,10 +32,16 @@ impl KubeReader {
         Self {
             kubeconfig: kubeconfig.to_path_buf(),
             timeout,
+            namespace_labels: false,
         }
     }
 
-    async fn get(&self, id: &Identity) -> Result<Pod, String> {
+    pub fn with_namespace_labels(mut self, on: bool) -> Self {
+        self.namespace_labels = on;
+        self
+    }
+
+    async fn get(&self, id: &Identity) -> Result<Value, String> {
         let shown = self.kubeconfig.display();
         let kc = Kubeconfig::read_from(&self.kubeconfig)
             .map_err(|e| format!("kubeconfig {shown}: {e}"))?;
@@ -43,10 +52,23 @@ impl KubeReader {
         config.read_timeout = Some(self.timeout);
         config.write_timeout = Some(self.timeout);
         let client = Client::try_from(config).map_err(|e| format!("kubeconfig {shown}: {e}"))?;
-        Api::<Pod>::namespaced(client, &id.namespace)
+        let pod = Api::<Pod>::namespaced(client.clone(), &id.namespace)
             .get(&id.name)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        let mut value = serde_json::to_value(pod).map_err(|e| e.to_string())?;
+        if self.namespace_labels {
+            let ns = Api::<Namespace>::all(client)
+                .get(&id.namespace)
+                .await
+                .map_err(|e| format!("namespace {}: {e}", id.namespace))?;
+            let labels = serde_json::to_value(ns.metadata.labels.unwrap_or_default())
+                .map_err(|e| e.to_string())?;
+            if let Some(obj) = value.as_object_mut() {
+                obj.insert(crate::pod::NAMESPACE_LABELS_KEY.into(), labels);
+            }
+        }
+        Ok(value)
     }
 }
 
@@ -57,10 +79,8 @@ impl PodReader for KubeReader {
             .enable_all()
             .build()
             .map_err(|e| format!("cannot start an async runtime: {e}"))?;
-        let pod = rt
-            .block_on(async { tokio::time::timeout(self.timeout, self.get(id)).await })
-            .map_err(|_| format!("no answer from the API server within {:?}", self.timeout))??;
-        serde_json::to_value(pod).map_err(|e| e.to_string())
+        rt.block_on(async { tokio::time::timeout(self.timeout, self.get(id)).await })
+            .map_err(|_| format!("no answer from the API server within {:?}", self.timeout))?
     }
 }
 

@@ -62,10 +62,10 @@ impl Deps for Node {
     fn pod_reader(&self, cfg: &PluginConfig) -> Box<dyn PodReader> {
         match &cfg.kubernetes.kubeconfig {
             #[cfg(feature = "kubernetes")]
-            Some(path) => Box::new(crate::kubeapi::KubeReader::new(
-                path,
-                cfg.kubernetes.request_timeout,
-            )),
+            Some(path) => Box::new(
+                crate::kubeapi::KubeReader::new(path, cfg.kubernetes.request_timeout)
+                    .with_namespace_labels(cfg.ambient_enabled),
+            ),
             #[cfg(not(feature = "kubernetes"))]
             Some(path) => Box::new(Unavailable(format!(
                 "this build of sidestep-cni has no Kubernetes client (kubeconfig {}); let the \

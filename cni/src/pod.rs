@@ -23,6 +23,10 @@ pub enum PodSource {
     RuntimeAnnotations,
 }
 
+/// Where the pod reader puts the labels of the pod's namespace in the Pod JSON it returns (a key
+/// the API never serves; the JSON stays inside the plugin).
+pub const NAMESPACE_LABELS_KEY: &str = "sidestep.io/namespaceLabels";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInfo {
     pub name: String,
@@ -35,6 +39,8 @@ pub struct PodInfo {
     pub init_containers: Vec<Container>,
     /// status.podIPs, else status.podIP.
     pub pod_ips: Vec<IpAddr>,
+    /// The namespace's labels, when the reader fetched them (ambient); empty otherwise.
+    pub namespace_labels: BTreeMap<String, String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -165,6 +171,10 @@ impl PodInfo {
                 .map(Container::from)
                 .collect(),
             pod_ips: parse_ips(raw.status),
+            namespace_labels: pod
+                .get(NAMESPACE_LABELS_KEY)
+                .and_then(|v| BTreeMap::<String, String>::deserialize(v).ok())
+                .unwrap_or_default(),
         })
     }
 
@@ -183,6 +193,7 @@ impl PodInfo {
             containers: Vec::new(),
             init_containers: Vec::new(),
             pod_ips: Vec::new(),
+            namespace_labels: BTreeMap::new(),
         }
     }
 

@@ -22,3 +22,4 @@ pub mod tcattach;
 pub mod tproxy;
 pub mod userns;
 pub mod verdictlog;
+pub mod zds;

@@ -471,7 +471,7 @@ impl Policy {
         // istio-iptables installs the hairpin (the proxy calling its own pod goes to the
         // inbound listener) whether or not any inbound port is captured: with
         // `includeInboundPorts: ""` the validation init container still dials through it.
-        if self.hairpin {
+        if self.hairpin && !self.ambient {
             f |= flags::HAIRPIN;
         }
         if f & flags::INBOUND != 0 {

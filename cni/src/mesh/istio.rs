@@ -33,6 +33,16 @@ pub const DNS_CAPTURE: &str = "ISTIO_META_DNS_CAPTURE";
 /// shows when the runtime passes annotations but no containers.
 pub const PROXY_CONFIG: &str = "proxy.istio.io/config";
 
+/// Ambient mode: the label istio-cni's default enablement selectors read, on the pod and on its
+/// namespace, and its two values.
+pub const DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+pub const DATAPLANE_AMBIENT: &str = "ambient";
+pub const DATAPLANE_NONE: &str = "none";
+/// Per-pod override of ambient DNS capture (`ambient.dnsCapture`, on by default).
+pub const AMBIENT_DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
+/// Ingress mode: no inbound capture.
+pub const AMBIENT_BYPASS_INBOUND: &str = "ambient.istio.io/bypass-inbound-capture";
+
 /// istio-cni's default for both port exclusion annotations: the proxy's status port.
 const DEFAULT_EXCLUDED_PORTS: &str = "15020";
 
@@ -79,7 +89,40 @@ fn containers(pod: &PodInfo) -> Result<Containers<'_>, AnnotationError> {
     }
 }
 
-pub fn decide(pod: &PodInfo) -> Result<Decision, AnnotationError> {
+/// istio-cni's default ambient enablement selectors: the pod labelled ambient, or its namespace
+/// labelled ambient and the pod not labelled none; never a sidecar-injected pod. The namespace's
+/// labels are known only when the pod was read from the API.
+pub fn is_ambient(pod: &PodInfo) -> bool {
+    if pod.annotation(STATUS).is_some() {
+        return false;
+    }
+    match pod.labels.get(DATAPLANE_MODE).map(String::as_str) {
+        Some(DATAPLANE_AMBIENT) => true,
+        Some(DATAPLANE_NONE) => false,
+        _ => {
+            pod.namespace_labels.get(DATAPLANE_MODE).map(String::as_str) == Some(DATAPLANE_AMBIENT)
+        }
+    }
+}
+
+/// istio-cni's in-pod rules for an ambient pod, with its two per-pod overrides.
+pub fn ambient_policy(pod: &PodInfo) -> Result<Policy, AnnotationError> {
+    let flag = |key: &str, default: bool| match pod.annotation(key) {
+        None => Ok(default),
+        Some(v) => go_bool(v).ok_or_else(|| bad(key, v, "expected \"true\" or \"false\"")),
+    };
+    Ok(Policy::istio_ambient(
+        flag(AMBIENT_DNS_CAPTURE, true)?,
+        flag(AMBIENT_BYPASS_INBOUND, false)?,
+    ))
+}
+
+/// `ambient`: istio-cni's plugin checks the ambient selectors first, and a pod they pick is
+/// ztunnel's; every other pod goes through the sidecar rules.
+pub fn decide(pod: &PodInfo, ambient: bool) -> Result<Decision, AnnotationError> {
+    if ambient && is_ambient(pod) {
+        return Ok(enrol(ambient_policy(pod)?, true));
+    }
     let c = containers(pod)?;
     if c.names.contains(INIT) {
         return Ok(Decision::Skip(SkipReason::InitContainer(INIT)));

@@ -240,10 +240,19 @@ pub fn before_pod_read(cfg: &PluginConfig, args: &CniArgs) -> PreDecision {
     })
 }
 
-/// The mesh's rules and annotations on a pod that was read.
+/// The mesh's rules and annotations on a pod that was read (sidecar mode).
 pub fn decide_pod(mesh: Mesh, pod: &PodInfo) -> Result<Decision, AnnotationError> {
+    decide_pod_with(mesh, false, pod)
+}
+
+/// [`decide_pod`], with Istio's ambient mode on or off (`ambient_enabled`).
+pub fn decide_pod_with(
+    mesh: Mesh,
+    ambient: bool,
+    pod: &PodInfo,
+) -> Result<Decision, AnnotationError> {
     let mut decision = match mesh {
-        Mesh::Istio => istio::decide(pod),
+        Mesh::Istio => istio::decide(pod, ambient),
         Mesh::Linkerd => linkerd::decide(pod),
         Mesh::Kuma => kuma::decide(pod),
     }?;

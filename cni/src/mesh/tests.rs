@@ -460,3 +460,83 @@ fn the_debug_annotation_turns_on_the_verdict_log() {
     let e = istio_with(DEBUG_ANNOTATION, "1").unwrap_err();
     assert!(e.key == DEBUG_ANNOTATION && e.value == "1", "{e}");
 }
+
+/// A plain app pod (no sidecar) with these pod labels, annotations and namespace labels.
+fn plain_pod(labels: Value, annotations: Value, ns_labels: Value) -> Value {
+    json!({
+        "metadata": {"name": "web-1", "namespace": "shop", "labels": labels,
+                     "annotations": annotations},
+        "spec": {"containers": [{"name": "app"}]},
+        "status": {"podIPs": [{"ip": "10.0.0.7"}]},
+        crate::pod::NAMESPACE_LABELS_KEY: ns_labels,
+    })
+}
+
+fn decide_ambient(v: &Value) -> Result<Decision, AnnotationError> {
+    decide_pod_with(Mesh::Istio, true, &api(v))
+}
+
+#[test]
+fn ambient_follows_istio_cnis_default_enablement_selectors() {
+    let ambient = json!({"istio.io/dataplane-mode": "ambient"});
+    let none = json!({"istio.io/dataplane-mode": "none"});
+    // The pod's label, in any namespace.
+    let p = enrolled(decide_ambient(&plain_pod(ambient.clone(), json!({}), json!({}))).unwrap());
+    assert!(p.ambient && p.dns_capture);
+    assert_eq!(p.include_inbound_ports, PortSet::All);
+    // The namespace's label, unless the pod opts out.
+    let p = enrolled(decide_ambient(&plain_pod(json!({}), json!({}), ambient.clone())).unwrap());
+    assert!(p.ambient);
+    let opted_out = decide_ambient(&plain_pod(none, json!({}), ambient.clone())).unwrap();
+    assert!(matches!(
+        skipped(&opted_out),
+        SkipReason::NotInjected(_) | SkipReason::NoProxyContainer { .. }
+    ));
+    // A sidecar-injected pod in an ambient namespace keeps its sidecar.
+    let mut sidecar = istio_pod();
+    sidecar[crate::pod::NAMESPACE_LABELS_KEY] = ambient.clone();
+    assert!(!enrolled(decide_ambient(&sidecar).unwrap()).ambient);
+    // Ambient off in the plugin: the sidecar rules alone.
+    let off = decide_pod(
+        Mesh::Istio,
+        &api(&plain_pod(ambient.clone(), json!({}), json!({}))),
+    );
+    assert!(matches!(off, Ok(Decision::Skip(_))));
+}
+
+#[test]
+fn ambient_overrides_per_pod() {
+    let ambient = json!({"istio.io/dataplane-mode": "ambient"});
+    let p = enrolled(
+        decide_ambient(&plain_pod(
+            ambient.clone(),
+            json!({"ambient.istio.io/dns-capture": "false",
+                   "ambient.istio.io/bypass-inbound-capture": "true"}),
+            json!({}),
+        ))
+        .unwrap(),
+    );
+    assert!(!p.dns_capture);
+    assert_eq!(p.include_inbound_ports, PortSet::none());
+    let e = decide_ambient(&plain_pod(
+        ambient,
+        json!({"ambient.istio.io/dns-capture": "maybe"}),
+        json!({}),
+    ))
+    .unwrap_err();
+    assert_eq!(e.key, "ambient.istio.io/dns-capture");
+}
+
+#[test]
+fn ambient_enabled_is_istios() {
+    let bad = PluginConfig::parse(
+        &serde_json::to_vec(
+            &json!({"cniVersion": "1.0.0", "name": "n", "type": "sidestep",
+                                    "mesh": "linkerd", "ambient_enabled": true}),
+        )
+        .unwrap(),
+        Command::Add,
+    );
+    assert!(bad.unwrap_err().to_string().contains("ambient_enabled"));
+    assert!(cfg(json!({"ambient_enabled": true})).ambient_enabled);
+}

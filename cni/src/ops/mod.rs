@@ -74,7 +74,9 @@ pub(crate) fn resolve(ctx: &Ctx<'_>) -> Result<Resolved, Result<Uncaptured, CniE
                     identity: Some(id.clone()),
                 })
             })?;
-            match mesh::decide_pod(ctx.cfg.mesh, &pod).map_err(|e| Err(e.to_cni()))? {
+            match mesh::decide_pod_with(ctx.cfg.mesh, ctx.cfg.ambient_enabled, &pod)
+                .map_err(|e| Err(e.to_cni()))?
+            {
                 Decision::Skip(r) => Ok(Resolved::Skip(r, Some(source))),
                 Decision::Enrol(e) => Ok(Resolved::Enrol(Box::new(ToEnrol {
                     enrolment: *e,
