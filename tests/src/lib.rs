@@ -41,6 +41,7 @@ pub mod sidestep;
 mod subnet;
 pub mod sweep;
 mod util;
+pub mod zds;
 
 pub use cgroup::{Cgroup, cgroup2_mount};
 pub use env::TestEnv;

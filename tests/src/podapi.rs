@@ -3,7 +3,9 @@
 //! current resourceVersion), `?watch=true&resourceVersion=R` (chunked JSON lines, one event per
 //! change after R: ADDED / MODIFIED / DELETED, BOOKMARK lines when asked for, and an ERROR event
 //! with a 410 Status when R is older than what it keeps, as after etcd compaction), and
-//! `GET /api/v1/namespaces/NS/pods/NAME`. Pods can be added and deleted while clients watch.
+//! `GET /api/v1/namespaces/NS/pods/NAME` (and PATCH of it or of its `status`), and Namespaces:
+//! `GET /api/v1/namespaces/NS`, and the list and watch of `/api/v1/namespaces`. Pods and
+//! namespaces can be added, changed and deleted while clients watch.
 //! Stops when dropped. The agent tests and the CNI benchmark's API lane use it; it answers a
 //! request as soon as it arrives (a blocking accept), so its own latency stays in microseconds.
 
@@ -21,6 +23,7 @@ use serde_json::{Value, json};
 #[derive(Default)]
 struct State {
     pods: Vec<Value>,
+    namespaces: Vec<Value>,
     nodes: Vec<Value>,
     /// Events created (POST .../events), in order.
     events_posted: Vec<Value>,
@@ -109,19 +112,33 @@ impl PodApi {
             p["metadata"]["namespace"] == pod["metadata"]["namespace"]
                 && p["metadata"]["name"] == pod["metadata"]["name"]
         };
-        let existed = st.pods.iter().any(same);
-        st.pods.retain(|p| !same(p));
+        let list = if is_namespace(&pod) {
+            &mut st.namespaces
+        } else {
+            &mut st.pods
+        };
+        let existed = list.iter().any(same);
+        list.retain(|p| !same(p));
         let kind = match kind {
             "DELETED" => kind,
             _ if existed => "MODIFIED",
             _ => "ADDED",
         };
         if kind != "DELETED" {
-            st.pods.push(pod.clone());
+            list.push(pod.clone());
         }
         st.events.push((rv, kind, pod));
         drop(st);
         self.shared.changed.notify_all();
+    }
+
+    /// Adds (or relabels) a Namespace; open namespace watches see ADDED (or MODIFIED).
+    pub fn set_namespace(&self, name: &str, labels: Value) {
+        self.change(
+            "ADDED",
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": name, "uid": format!("uid-ns-{name}"), "labels": labels}}),
+        );
     }
 
     /// Adds (or replaces) a pod; open watches see ADDED (or MODIFIED).
@@ -197,6 +214,10 @@ fn query_value<'a>(query: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
 
+fn is_namespace(v: &Value) -> bool {
+    v["kind"] == "Namespace"
+}
+
 fn serve(shared: &Shared, stream: TcpStream) {
     let _ = stream.set_nonblocking(false);
     let Ok(clone) = stream.try_clone() else {
@@ -231,9 +252,11 @@ fn serve(shared: &Shared, stream: TcpStream) {
     let node = query_value(&query, "fieldSelector")
         .and_then(|f| f.strip_prefix("spec.nodeName="))
         .map(str::to_owned);
-    let on_node = |p: &Value| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n);
+    let on_node =
+        |p: &Value| !is_namespace(p) && node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n);
     let mut out = stream;
-    if path == "/api/v1/pods" && matches!(query_value(&query, "watch"), Some("true" | "1")) {
+    let watching = matches!(query_value(&query, "watch"), Some("true" | "1"));
+    if path == "/api/v1/namespaces" && watching {
         let from: u64 = query_value(&query, "resourceVersion")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
@@ -241,11 +264,36 @@ fn serve(shared: &Shared, stream: TcpStream) {
         let timeout = query_value(&query, "timeoutSeconds")
             .and_then(|v| v.parse().ok())
             .map_or(Duration::from_secs(300), Duration::from_secs);
-        watch(shared, out, from, bookmarks, timeout, &on_node);
+        watch(
+            shared,
+            out,
+            from,
+            bookmarks,
+            timeout,
+            ("Namespace", &is_namespace),
+        );
+        return;
+    }
+    if path == "/api/v1/pods" && watching {
+        let from: u64 = query_value(&query, "resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let bookmarks = query_value(&query, "allowWatchBookmarks") == Some("true");
+        let timeout = query_value(&query, "timeoutSeconds")
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::from_secs(300), Duration::from_secs);
+        watch(shared, out, from, bookmarks, timeout, ("Pod", &on_node));
         return;
     }
     let (status, body) = if let Some(name) = path.strip_prefix("/api/v1/nodes/") {
         node_request(shared, &method, name, &body)
+    } else if path == "/api/v1/namespaces" {
+        let st = lock(&shared.state);
+        (
+            200,
+            json!({"kind": "NamespaceList", "apiVersion": "v1",
+                   "metadata": {"resourceVersion": st.rv.to_string()}, "items": st.namespaces}),
+        )
     } else if path == "/api/v1/pods" {
         let st = lock(&shared.state);
         let items: Vec<Value> = st.pods.iter().filter(|p| on_node(p)).cloned().collect();
@@ -268,7 +316,15 @@ fn serve(shared: &Shared, stream: TcpStream) {
                 lock(&shared.state).events_posted.push(event.clone());
                 (201, event)
             }
-            ["api", "v1", "namespaces", ns, "pods", name] => {
+            ["api", "v1", "namespaces", ns] => {
+                let st = lock(&shared.state);
+                match st.namespaces.iter().find(|n| n["metadata"]["name"] == *ns) {
+                    Some(n) => (200, n.clone()),
+                    None => not_found(path),
+                }
+            }
+            ["api", "v1", "namespaces", ns, "pods", name]
+            | ["api", "v1", "namespaces", ns, "pods", name, "status"] => {
                 pod_request(shared, &method, ns, name, &body, path)
             }
             _ => not_found(path),
@@ -282,8 +338,9 @@ fn serve(shared: &Shared, stream: TcpStream) {
     );
 }
 
-/// GET a pod, PATCH its labels (a JSON merge patch), or DELETE it (honouring a UID
-/// precondition); a delete is a DELETED event for watchers.
+/// GET a pod, PATCH its labels and annotations (a JSON merge patch, on the pod or its status
+/// subresource), or DELETE it (honouring a UID precondition); a delete is a DELETED event for
+/// watchers.
 fn pod_request(
     shared: &Shared,
     method: &str,
@@ -306,9 +363,14 @@ fn pod_request(
             st.rv += 1;
             let rv = st.rv;
             let pod = &mut st.pods[i];
-            if let Some(labels) = patch["metadata"]["labels"].as_object() {
-                for (k, v) in labels {
-                    pod["metadata"]["labels"][k] = v.clone();
+            for field in ["labels", "annotations"] {
+                if let Some(map) = patch["metadata"][field].as_object() {
+                    if !pod["metadata"][field].is_object() {
+                        pod["metadata"][field] = json!({});
+                    }
+                    for (k, v) in map {
+                        pod["metadata"][field][k] = v.clone();
+                    }
                 }
             }
             pod["metadata"]["resourceVersion"] = json!(rv.to_string());
@@ -395,7 +457,7 @@ fn watch(
     from: u64,
     bookmarks: bool,
     timeout: Duration,
-    on_node: &dyn Fn(&Value) -> bool,
+    (kind, on_node): (&str, &dyn Fn(&Value) -> bool),
 ) {
     if write!(
         out,
@@ -445,7 +507,7 @@ fn watch(
         }
         sent = sent.max(now_rv);
         if bookmarks && last_bookmark.elapsed() >= Duration::from_secs(1) {
-            let mark = json!({"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1",
+            let mark = json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": "v1",
                 "metadata": {"resourceVersion": sent.to_string()}}});
             if let Err(e) = chunk(&mut out, &mark) {
                 lock(&shared.requests).push(format!("debug: watch from {from}: bookmark: {e}"));

@@ -29,6 +29,8 @@
 //! probe istio-validate [--v6] [--timeout-ms N]    Istio's istio-validation (exit 0 or 126)
 //! probe linkerd-validate LISTEN CONNECT [--timeout-ms N]
 //!                                    Linkerd's linkerd-network-validator (exit 0 or 95)
+//! probe ztunnel UDS                  a ztunnel stand-in: ZDS to the agent at UDS, marked
+//!                                    listeners in each pod it is given (probe/ztunnel.rs)
 //! ```
 
 // A binary's modules would be found beside it in src/bin/ and be taken for binaries themselves,
@@ -43,6 +45,8 @@ mod redirect;
 mod sock;
 #[path = "probe/validate.rs"]
 mod validate;
+#[path = "probe/ztunnel.rs"]
+mod ztunnel;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -166,6 +170,9 @@ fn main() {
                 Duration::from_millis(num("--deadline-ms", 30_000)),
             )
         }
+        Some("ztunnel") => ztunnel::run(std::path::Path::new(
+            args.get(1).map(String::as_str).unwrap_or(""),
+        )),
         Some("istio-validate") => validate::istio(
             flag("--v6"),
             Duration::from_millis(
@@ -192,7 +199,8 @@ fn main() {
                  probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] \
                  [--read] [--linger0] [--timeout-ms N] | probe raw | probe hold ADDR | \
                  probe origdst-echo ADDR[,ADDR...] | \
-                 probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D]"
+                 probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D] | \
+                 probe ztunnel UDS"
             );
             2
         }

@@ -109,6 +109,15 @@ pub struct AgentArgs {
     /// cni.istio.io/not-ready [default: off].
     #[arg(long, env = "SIDESTEP_READINESS_TAINT")]
     pub readiness_taint: Option<String>,
+    /// Istio ambient mode: the plugin enrols pods the ambient selectors pick with istio-cni's
+    /// in-pod rules, and the agent serves ZDS to ztunnel, handing it each such pod's netns
+    /// [default: false].
+    #[arg(long, env = "SIDESTEP_AMBIENT", num_args = 0..=1, default_missing_value = "true")]
+    pub ambient: Option<String>,
+    /// Where the agent serves ZDS for ztunnel (ztunnel's INPOD_UDS)
+    /// [default: /var/run/ztunnel/ztunnel.sock].
+    #[arg(long, env = "SIDESTEP_ZTUNNEL_SOCKET")]
+    pub ztunnel_socket: Option<String>,
     /// The node's name (__NODE_NAME__), from the downward API.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
@@ -156,6 +165,8 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "pod-capacity" => a.pod_capacity.as_ref(),
         "node-name" => a.node_name.as_ref(),
         "readiness-taint" => a.readiness_taint.as_ref(),
+        "ambient" => a.ambient.as_ref(),
+        "ztunnel-socket" => a.ztunnel_socket.as_ref(),
         "pod-namespace" => a.pod_namespace.as_ref(),
         "uninstall-requested" => a.uninstall_requested.as_ref(),
         "bpf-object" => a.bpf_object.as_ref(),
@@ -166,7 +177,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 33] = [
+pub(super) const KEYS: [&str; 35] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -197,6 +208,8 @@ pub(super) const KEYS: [&str; 33] = [
     "pod-capacity",
     "node-name",
     "readiness-taint",
+    "ambient",
+    "ztunnel-socket",
     "pod-namespace",
     "uninstall-requested",
     "bpf-object",

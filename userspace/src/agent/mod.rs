@@ -13,6 +13,7 @@
 //! pods keep their capture; `sidestep uninstall` removes everything.
 
 mod addrwatch;
+pub mod ambient;
 pub mod apiclient;
 pub mod args;
 pub mod capabilities;
@@ -79,6 +80,8 @@ pub struct Agent {
     reenrol: Mutex<reconcile::Recreated>,
     /// The node's pods from the API's watch (in a cluster).
     pub pod_watch: podwatch::PodWatch,
+    /// Istio ambient mode: the ZDS server and what ztunnel has been handed.
+    pub ambient: Option<ambient::Ambient>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -175,7 +178,7 @@ impl Agent {
             tracing::info!("not in a cluster (no KUBERNETES_SERVICE_HOST): no kubeconfig written");
             String::new()
         };
-        let entry = settings.template.render(&Values {
+        let mut entry = settings.template.render(&Values {
             pin_root: settings.pin_root.display().to_string(),
             state_dir: settings.state_dir.display().to_string(),
             kubeconfig,
@@ -184,6 +187,16 @@ impl Agent {
             pod_namespace: settings.pod_namespace.clone(),
             cni_net_dir: settings.host_cni_conf_dir.display().to_string(),
         });
+        if settings.ambient
+            && let Some(obj) = entry.as_object_mut()
+        {
+            obj.insert("ambient_enabled".into(), Value::Bool(true));
+        }
+        let ambient = if settings.ambient {
+            Some(ambient::Ambient::listen(&settings.ztunnel_socket)?)
+        } else {
+            None
+        };
         let agent = Self {
             metrics_cache: metrics::DataPathCache::new(settings.metrics_max_age),
             settings,
@@ -198,6 +211,7 @@ impl Agent {
             // whose netns may still run.
             reenrol: Mutex::new(recreated),
             pod_watch: podwatch::PodWatch::default(),
+            ambient,
         };
         agent.install_binary()?;
         sys::failpoint("agent:after-install");
@@ -337,6 +351,9 @@ impl Agent {
             tail.push_str(&format!(
                 "data path reloaded at the last reconcile: {why}\n"
             ));
+        }
+        if let Some(a) = &self.ambient {
+            tail.push_str(&a.summary());
         }
         if missing.is_empty() {
             (true, format!("ready\n{tail}"))

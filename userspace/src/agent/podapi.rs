@@ -145,3 +145,22 @@ pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
             .map_err(|e| format!("labelling pod {ns}/{name}: {e}"))
     })
 }
+
+/// Sets one annotation through the pods/status subresource (a JSON merge patch), as istio-cni
+/// writes `ambient.istio.io/redirection`: it needs `patch` on pods/status only.
+pub fn annotate_status(
+    kubeconfig: &Path,
+    pod: &NodePod,
+    key: &str,
+    value: &str,
+) -> Result<(), String> {
+    let (ns, name) = (pod.namespace.clone(), pod.name.clone());
+    let patch = json!({"metadata": {"annotations": {key: value}}});
+    block_on(kubeconfig, async move |client: Client| {
+        Api::<Pod>::namespaced(client, &ns)
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(drop)
+            .map_err(|e| format!("annotating pod {ns}/{name}: {e}"))
+    })
+}

@@ -16,7 +16,7 @@ use std::{
 };
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::{
     Api,
     runtime::{
@@ -37,6 +37,8 @@ pub struct PodWatch {
     synced: AtomicBool,
     /// Watch events received (applies and deletes, the initial list's included).
     pub events: AtomicU64,
+    /// Namespace changes seen (ambient mode watches namespaces: their labels pick pods).
+    pub namespace_events: AtomicU64,
     /// The last watch error, for the log and /readyz.
     last_error: Mutex<Option<String>>,
 }
@@ -68,6 +70,12 @@ impl PodWatch {
         self.store.get()?.get(&key)?.metadata.uid.clone()
     }
 
+    /// The pod `namespace/name` as the watch holds it now.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<Pod> {
+        let key = reflector::ObjectRef::<Pod>::new(name).within(namespace);
+        self.store.get()?.get(&key).map(|p| (*p).clone())
+    }
+
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }
@@ -77,8 +85,9 @@ impl PodWatch {
 /// repair is on and the node is named; without a kubeconfig yet it waits for one.
 pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
     let node = agent.settings.node_name.clone();
-    // Repair is what reads the pods; without it the agent asks the API nothing.
-    if node.is_empty() || !agent.settings.repair {
+    // Repair and ambient mode (the pods' UIDs, which ztunnel names workloads by) read the pods;
+    // without either the agent asks the API nothing.
+    if node.is_empty() || !(agent.settings.repair || agent.settings.ambient) {
         return;
     }
     let kubeconfig = loop {
@@ -96,6 +105,13 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
             }
         }
     };
+    if agent.settings.ambient {
+        tokio::spawn(watch_namespaces(
+            agent.clone(),
+            client.clone(),
+            poke.clone(),
+        ));
+    }
     let (reader, writer) = reflector::store::<Pod>();
     let watch = &agent.pod_watch;
     let _ = watch.store.set(reader);
@@ -135,6 +151,39 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
                     tracing::warn!(error = %text, "pod watch (it retries with backoff, and relists after 410 Gone)");
                 }
                 *last = Some(text);
+            }
+        }
+    }
+}
+
+/// Ambient mode: a namespace labelled (or unlabelled) `istio.io/dataplane-mode=ambient` changes
+/// which of its running pods belong to ztunnel, so every namespace change pokes a reconcile,
+/// whose repair asks the plugin again about pods it has not captured (the plugin reads the
+/// namespace's labels itself). Namespaces are few and change rarely; their labels are all that
+/// is read.
+async fn watch_namespaces(agent: Arc<Agent>, client: kube::Client, poke: mpsc::Sender<()>) {
+    let mut stream = watcher(Api::<Namespace>::all(client), watcher::Config::default())
+        .default_backoff()
+        .boxed();
+    tracing::info!("watching namespaces (ambient: their labels pick pods)");
+    let mut last_error = None;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Apply(ns) | watcher::Event::Delete(ns)) => {
+                agent
+                    .pod_watch
+                    .namespace_events
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(namespace = ?ns.metadata.name, "namespace changed");
+                let _ = poke.try_send(());
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let text = e.to_string();
+                if last_error.as_deref() != Some(text.as_str()) {
+                    tracing::warn!(error = %text, "namespace watch (it retries with backoff)");
+                }
+                last_error = Some(text);
             }
         }
     }

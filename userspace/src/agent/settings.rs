@@ -92,6 +92,9 @@ pub struct Settings {
     pub node_name: String,
     /// The taint removed from this node once ready (None: off).
     pub readiness_taint: Option<String>,
+    /// Istio ambient mode: ZDS for ztunnel, and `ambient_enabled` in the plugin's entry.
+    pub ambient: bool,
+    pub ztunnel_socket: PathBuf,
     pub pod_namespace: String,
     pub uninstall_requested: bool,
     pub bpf_object: Option<PathBuf>,
@@ -411,6 +414,15 @@ impl Settings {
                 format!("{log_level:?} is not a log filter (e.g. info or sidestep=debug)"),
             ));
         }
+        if r.boolean("ambient", false)? && r.string("node-name", "").is_empty() {
+            let origin = r.get("ambient").map(|(_, o)| o).unwrap_or_default();
+            return Err(Resolver::err(
+                "ambient",
+                &origin,
+                "ambient mode needs node-name (NODE_NAME from the downward API): ztunnel names \
+                 each pod by its UID, which the agent learns from its watch of the node's pods",
+            ));
+        }
         Ok(Self {
             cni_bin_dir: r.dir("cni-bin-dir", "/opt/cni/bin", true)?,
             cni_conf_dir,
@@ -501,6 +513,12 @@ impl Settings {
                 .transpose()?,
             node_name: r.string("node-name", ""),
             readiness_taint: r.parse("readiness-taint", || Ok(None), parse_taint_key)?,
+            ambient: r.boolean("ambient", false)?,
+            ztunnel_socket: r.parse(
+                "ztunnel-socket",
+                || Ok(PathBuf::from(crate::zds::DEFAULT_SOCKET)),
+                |v| absolute(v.trim()),
+            )?,
             pod_namespace: r.string("pod-namespace", ""),
             uninstall_requested: r.boolean("uninstall-requested", false)?,
             bpf_object: r

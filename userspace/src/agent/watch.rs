@@ -235,6 +235,7 @@ pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
     tokio::spawn(super::untaint::run(agent.clone()));
     super::addrwatch::spawn(agent.clone())?;
     super::verdicts::spawn(agent.clone())?;
+    super::ambient::spawn(agent.clone())?;
 
     let sig = tokio::select! {
         _ = term.recv() => "SIGTERM",
