@@ -228,7 +228,9 @@ fn deploy_manifests_are_valid() -> Result<()> {
 
     let role = &load(&bin, &dir.join("clusterrole.yaml"))?[0];
     // Exactly what the code uses: pods read and watched, patched and deleted by repair's label
-    // and delete modes; events created; nodes read and patched (the readiness taint).
+    // and delete modes; events created; nodes read and patched (the readiness taint); in ambient
+    // mode, namespaces read and watched and the pods' status patched (the redirection
+    // annotation).
     ensure!(
         role["rules"]
             == serde_json::json!([
@@ -236,6 +238,9 @@ fn deploy_manifests_are_valid() -> Result<()> {
                  "verbs": ["get", "list", "watch", "patch", "delete"]},
                 {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
                 {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                {"apiGroups": [""], "resources": ["namespaces"],
+                 "verbs": ["get", "list", "watch"]},
+                {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
             ]),
         "{}",
         role["rules"]
