@@ -78,8 +78,8 @@ fn start_ztunnel(env: &TestEnv, uds: &std::path::Path) -> Result<ChildGuard> {
 }
 
 /// A node in ambient mode: the local API with namespace `mesh` labelled ambient and `plain` not,
-/// holding `pods`; the agent with `--ambient` (repair off, to keep its log to the point); the
-/// node whose chain the agent completed.
+/// holding `pods`; the agent with `--ambient` and repair (on, as in a cluster); the node whose
+/// chain the agent completed.
 struct AmbientNode {
     api: PodApi,
     agent: Agent,
@@ -96,6 +96,7 @@ impl AmbientNode {
         api.set_namespace("mesh", json!({"istio.io/dataplane-mode": "ambient"}));
         api.set_namespace("plain", json!({}));
         api.set_namespace("istio-system", json!({}));
+        api.set_namespace("later", json!({}));
         // Pods exist in the API before their sandboxes, as in a cluster; the plugin reads them
         // at ADD.
         for p in pods {
@@ -112,8 +113,8 @@ impl AmbientNode {
                 NODE,
                 "--api-kubeconfig",
                 &api.kubeconfig.display().to_string(),
-                "--repair",
-                "false",
+                "--reconcile-interval",
+                "2s",
                 "--ambient",
                 "true",
                 "--ztunnel-socket",
@@ -178,6 +179,7 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
             server_json,
             optout,
             api_pod(NODE, "plain", "other", &[], false),
+            api_pod(NODE, "later", "late", &[], false),
         ],
     )?;
     let pod = |name: &str, ns: &str| {
@@ -323,6 +325,51 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
             && zds_events(&ztunnel, "add", "uid-mesh-server") == 1)
     })
     .with_context(|| format!("{}\n{}", ztunnel.stdout(), agent.log()))?;
+
+    // A namespace labelled ambient while its pod runs: the namespace watch has repair ask the
+    // plugin again, which now enrols the pod, and the agent hands it to ztunnel.
+    let late = pod("late", "later")?;
+    api.add(api_pod(
+        NODE,
+        "later",
+        "late",
+        &[late.ipv4.to_string()],
+        false,
+    ));
+    let late_netns = late.netns_path.display().to_string();
+    wait_until(
+        "repair to skip the late pod",
+        Duration::from_secs(10),
+        || {
+            Ok(agent.log().lines().any(|l| {
+                l.contains("leaves this pod uncaptured") && l.contains(late_netns.as_str())
+            }))
+        },
+    )
+    .with_context(|| agent.log())?;
+    ensure!(zds_events(&ztunnel, "add", "uid-later-late") == 0);
+    api.set_namespace("later", json!({"istio.io/dataplane-mode": "ambient"}));
+    wait_until(
+        "the late pod to reach ztunnel",
+        Duration::from_secs(10),
+        || Ok(zds_events(&ztunnel, "add", "uid-later-late") == 1),
+    )
+    .with_context(|| agent.log())?;
+    let to_server_late = format!("{server_ip}:81");
+    ensure!(
+        late.run(&env, 1000, &[probe(), "connect", &to_server_late])?
+            .status
+            .success()
+    );
+    wait_until(
+        "the late pod's outbound connection",
+        Duration::from_secs(5),
+        || {
+            Ok(accepted(&ztunnel, "uid-later-late", "15001")
+                .iter()
+                .any(|c| c["orig_v4"]["addr"] == to_server_late.as_str()))
+        },
+    )?;
 
     // The client's DEL: ztunnel is told to drop it.
     node.remove_pod(&client)?;

@@ -156,11 +156,10 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
     }
 }
 
-/// Ambient mode: a namespace labelled (or unlabelled) `istio.io/dataplane-mode=ambient` changes
-/// which of its running pods belong to ztunnel, so every namespace change pokes a reconcile,
-/// whose repair asks the plugin again about pods it has not captured (the plugin reads the
-/// namespace's labels itself). Namespaces are few and change rarely; their labels are all that
-/// is read.
+/// Ambient mode: a namespace labelled `istio.io/dataplane-mode=ambient` moves its running pods
+/// into the mesh, so every namespace change pokes a reconcile whose repair asks the plugin again
+/// about every pod it left uncaptured (the plugin reads the namespace's labels itself), and the
+/// plugin's ambient enrolment then reaches ztunnel. Namespaces are few and change rarely.
 async fn watch_namespaces(agent: Arc<Agent>, client: kube::Client, poke: mpsc::Sender<()>) {
     let mut stream = watcher(Api::<Namespace>::all(client), watcher::Config::default())
         .default_backoff()
@@ -175,6 +174,7 @@ async fn watch_namespaces(agent: Arc<Agent>, client: kube::Client, poke: mpsc::S
                     .namespace_events
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(namespace = ?ns.metadata.name, "namespace changed");
+                super::repair::forget_skips();
                 let _ = poke.try_send(());
             }
             Ok(_) => {}

@@ -63,6 +63,13 @@ fn skipped() -> std::sync::MutexGuard<'static, BTreeMap<u64, String>> {
     SKIPPED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Forgets every remembered skip, so the next reconcile asks the plugin again about each pod it
+/// left uncaptured: a namespace's labels changed, and with them the plugin's answer may have
+/// (ambient mode's `istio.io/dataplane-mode`).
+pub fn forget_skips() {
+    skipped().clear();
+}
+
 /// The kubeconfig repair uses, if the agent has one.
 pub fn api_kubeconfig(s: &Settings) -> Option<PathBuf> {
     s.api_kubeconfig
