@@ -111,7 +111,7 @@ pub fn test(
     let names: Vec<&str> = selected.iter().map(|(b, _)| b.name.as_str()).collect();
     println!("vm tests: {}", names.join(" "));
 
-    let env = [
+    let mut env = vec![
         ("SIDESTEP_BPF_OBJECT", path_string(&object)),
         ("SIDESTEP_BIN_DIR", bin_dir),
         ("SIDESTEP_CNI_BIN", plugin),
@@ -120,6 +120,11 @@ pub fn test(
         // 10 was too tight for the fork-heavy paths (the agent's repairs took 20-40 s there).
         ("SIDESTEP_TEST_TIME_SCALE", TCG_TIME_SCALE.to_string()),
     ];
+    // An unmodified ztunnel for tests/tests/ambient.rs, when the developer has one (the VM sees
+    // the host's files).
+    if let Ok(z) = std::env::var("SIDESTEP_ZTUNNEL") {
+        env.push(("SIDESTEP_ZTUNNEL", z));
+    }
     let mut reports = Vec::new();
     for kernel in &kernels {
         let script = suites::script(&kernel.name, &paths::workspace(), &selected, args);

@@ -19,6 +19,9 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     ("validation", &[]),
     // aya-log's ring buffer and the larger debug-path programs, through each kernel's verifier.
     ("verdict_log", &[]),
+    // Istio ambient mode: its parity table, and the agent handing pods to a ztunnel stand-in.
+    ("parity_ambient", &[]),
+    ("ambient", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.
