@@ -514,3 +514,60 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
     .with_context(|| ztunnel.stdout())?;
     Ok(())
 }
+
+/// `sidestep ztunnel-serve`, for netns enrolled by hand: each ztunnel that connects gets every
+/// workload in its snapshot, with the netns fd.
+#[test]
+fn ztunnel_serve_hands_its_workloads_to_each_connection() -> Result<()> {
+    if skip_unless_root("ztunnel_serve_hands_its_workloads_to_each_connection") {
+        return Ok(());
+    }
+    let env = TestEnv::new("ztunnel-serve")?;
+    let node = sidestep_tests::Node::new(&env, sidestep_tests::NodeOptions::ipv4_only())?;
+    let pod = node.add_pod("web")?;
+    let uds = env.tmp_dir().join("zt.sock");
+    let uds_s = uds.display().to_string();
+    let workload = format!("uid-web,shop,web,web-sa,{}", pod.netns_path.display());
+    let bin = sidestep_tests::sidestep::sidestep_bin();
+    let server = env.spawn(Spawn::new(&[
+        bin.to_str().context("sidestep path")?,
+        "ztunnel-serve",
+        "--socket",
+        &uds_s,
+        "--workload",
+        &workload,
+    ]))?;
+    server.wait_stdout(&["serving 1 workloads"], Duration::from_secs(10))?;
+    for round in 1..=2 {
+        let mut z = start_ztunnel(&env, &uds)?;
+        wait_until("the snapshot", Duration::from_secs(10), || {
+            Ok(lines(&z).iter().any(|l| l["zds"] == "snapshot-sent"))
+        })
+        .with_context(|| format!("round {round}: {}", z.stdout()))?;
+        let add = lines(&z)
+            .into_iter()
+            .find(|l| l["zds"] == "add")
+            .context("no Add")?;
+        ensure!(
+            add["uid"] == "uid-web" && add["sa"] == "web-sa" && add["fds"] == 1,
+            "{add}"
+        );
+        server.wait_stdout(&["ztunnel connected"], Duration::from_secs(10))?;
+        z.terminate(Duration::from_secs(5))?;
+    }
+    // A malformed workload is refused before anything listens.
+    let out = env.run(
+        Spawn::new(&[
+            bin.to_str().context("sidestep path")?,
+            "ztunnel-serve",
+            "--socket",
+            &uds_s,
+            "--workload",
+            "uid-web,shop,web",
+        ]),
+        Duration::from_secs(10),
+    )?;
+    ensure!(!out.status.success());
+    ensure!(String::from_utf8_lossy(&out.stderr).contains("5 fields"));
+    Ok(())
+}

@@ -26,6 +26,7 @@ fn bench() -> Result<()> {
     match std::env::var(bench::MODE_ENV).as_deref() {
         Ok("cni") => return only_section(&cfg, &md, sections::CNI),
         Ok("scale") => return only_section(&cfg, &md, sections::SCALE),
+        Ok("ambient") => return only_section(&cfg, &md, sections::AMBIENT),
         _ => {}
     }
     eprintln!(
@@ -35,7 +36,13 @@ fn bench() -> Result<()> {
         cfg.run_secs
     );
     let report = bench::run(&cfg)?;
-    fs::write(&md, report.markdown()).with_context(|| format!("write {}", md.display()))?;
+    // The ambient section needs a ztunnel this run may not have: the last one is kept.
+    let old = fs::read_to_string(&md).unwrap_or_default();
+    let page = match sections::section(&old, sections::AMBIENT) {
+        Some(body) => sections::splice(&report.markdown(), sections::AMBIENT, &body),
+        None => report.markdown(),
+    };
+    fs::write(&md, page).with_context(|| format!("write {}", md.display()))?;
     let svg = docs.join(SVG_NAME);
     fs::write(&svg, report.svg()).with_context(|| format!("write {}", svg.display()))?;
     eprintln!(
@@ -72,6 +79,21 @@ fn only_section(cfg: &Config, md: &Path, id: &str) -> Result<()> {
         let c = bench::cni::run(&env, loaded.pin_root(), cfg.cni_runs)?;
         drop(loaded);
         sections::cni_section(&c, &date)
+    } else if id == sections::AMBIENT {
+        let Some(ztunnel) = std::env::var_os("SIDESTEP_ZTUNNEL") else {
+            bail!(
+                "bench ambient needs an unmodified ztunnel: set SIDESTEP_ZTUNNEL to a ztunnel \
+                 binary built with --features testing (FAKE_CA)"
+            );
+        };
+        let env = TestEnv::new("bench-ambient")?;
+        let loaded = Loaded::load(&env)?;
+        let (rounds, secs) = if cfg.quick { (2, 3) } else { (5, 10) };
+        let a = bench::ambient::run(&env, &loaded, Path::new(&ztunnel), rounds, secs, 8)?;
+        drop(loaded);
+        let info = bench::sysinfo::SysInfo::collect(cfg.quick);
+        let machine = format!("{} ({} CPUs), Linux {}", info.cpu, info.nproc, info.kernel);
+        sections::ambient_section(&a, &date, &machine)
     } else {
         let s = bench::scale::run(&cfg.scale_levels, cfg.scale_samples, cfg.scale_conns)?;
         sections::scale_section(&s, &date, cfg.quick)

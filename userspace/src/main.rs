@@ -90,6 +90,18 @@ enum Command {
         #[arg(long)]
         follow: bool,
     },
+    /// Serve ZDS to ztunnel (Istio ambient) for netns enrolled by hand with `enroll --ambient`,
+    /// until SIGTERM: ztunnel connects to --socket and opens its listeners in each --workload's
+    /// netns. The agent (`--ambient`) does this for the pods the CNI plugin enrols.
+    ZtunnelServe {
+        /// Where to listen (ztunnel's INPOD_UDS).
+        #[arg(long, default_value = sidestep::zds::DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// `UID,NAMESPACE,NAME,SERVICE_ACCOUNT,NETNS` (repeatable): the identity ztunnel gives
+        /// the workload, and its netns.
+        #[arg(long = "workload", required = true, value_parser = sidestep::zds::Workload::parse)]
+        workloads: Vec<sidestep::zds::Workload>,
+    },
     /// Show programs, attachments, enrolled pods and counters.
     Status {
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
@@ -317,6 +329,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::FollowAddresses { pin_root, netns } => follow_addresses(&pin_root, netns),
+        Command::ZtunnelServe { socket, workloads } => ztunnel_serve(&socket, workloads)?,
         Command::Debug {
             pin_root,
             netns,
@@ -367,6 +380,40 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// One line on stdout per change, for scripts and tests to wait on.
+/// Hands the workloads to whichever ztunnel connects (each new connection gets them all in its
+/// snapshot), and says when one is connected.
+fn ztunnel_serve(
+    socket: &std::path::Path,
+    workloads: Vec<sidestep::zds::Workload>,
+) -> anyhow::Result<()> {
+    let server = sidestep::zds::ZdsServer::listen(socket)?;
+    for w in workloads {
+        // Without a ztunnel yet the workload waits for its snapshot.
+        let _ = server.add(w);
+    }
+    println!(
+        "serving {} workloads on {}",
+        server.workloads().len(),
+        socket.display()
+    );
+    let mut was = false;
+    loop {
+        let now = server.connected();
+        if now != was {
+            println!(
+                "{}",
+                if now {
+                    "ztunnel connected"
+                } else {
+                    "ztunnel disconnected"
+                }
+            );
+            was = now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
     use sidestep::addrfollow::{self, FollowEvent};
     let wanted: std::collections::BTreeSet<PathBuf> = netns.into_iter().collect();

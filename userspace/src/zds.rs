@@ -60,6 +60,30 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// `UID,NAMESPACE,NAME,SERVICE_ACCOUNT,NETNS`, as `sidestep ztunnel-serve --workload` takes it.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        let [uid, namespace, name, service_account, netns] = parts.as_slice() else {
+            return Err(format!(
+                "{text:?}: expected UID,NAMESPACE,NAME,SERVICE_ACCOUNT,NETNS (5 fields, got {})",
+                parts.len()
+            ));
+        };
+        if [uid, namespace, name, service_account, netns]
+            .iter()
+            .any(|f| f.is_empty())
+        {
+            return Err(format!("{text:?}: a field is empty"));
+        }
+        Ok(Self {
+            uid: (*uid).into(),
+            name: (*name).into(),
+            namespace: (*namespace).into(),
+            service_account: (*service_account).into(),
+            netns: Some(PathBuf::from(netns)),
+        })
+    }
+
     fn info(&self) -> WorkloadInfo {
         WorkloadInfo {
             name: self.name.clone(),

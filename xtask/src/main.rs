@@ -104,8 +104,10 @@ enum Task {
         #[arg(long)]
         quick: bool,
         /// Only this mode (`cni`: ADD/DEL against the iptables install; `scale`: 1, 100 and
-        /// 1,000 pods); it rewrites its own section of docs/BENCHMARKS.md. Default: everything.
-        #[arg(value_parser = ["cni", "scale"])]
+        /// 1,000 pods; `ambient`: one unmodified ztunnel, SIDESTEP_ZTUNNEL, under istio-cni's
+        /// iptables and sidestep); it rewrites its own section of docs/BENCHMARKS.md. Default:
+        /// everything but ambient.
+        #[arg(value_parser = ["cni", "scale", "ambient"])]
         mode: Option<String>,
     },
     /// Build the fuzz targets (nightly) and run each in turn for a bounded time, at nice 19.

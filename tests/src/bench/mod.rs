@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
+pub mod ambient;
 pub mod bpfstats;
 pub mod cni;
 pub mod enrol;

@@ -236,3 +236,24 @@ fn an_oversized_message_or_a_hang_up_ends_the_connection() {
         Err(ZdsError::NoZtunnel(_))
     ));
 }
+
+#[test]
+fn a_workload_argument_has_five_fields() {
+    let w = Workload::parse("u1,shop,web,web-sa,/run/netns/web").unwrap();
+    assert_eq!(
+        (w.uid.as_str(), w.namespace.as_str(), w.name.as_str()),
+        ("u1", "shop", "web")
+    );
+    assert_eq!(w.service_account, "web-sa");
+    assert_eq!(w.netns, Some(PathBuf::from("/run/netns/web")));
+    assert!(
+        Workload::parse("u1,shop,web,/run/netns/web")
+            .unwrap_err()
+            .contains("5 fields")
+    );
+    assert!(
+        Workload::parse("u1,,web,sa,/n")
+            .unwrap_err()
+            .contains("empty")
+    );
+}
