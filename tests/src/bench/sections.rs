@@ -397,51 +397,6 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
     o
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn splice_replaces_or_appends() {
-        let page = "# B\n\ntext\n";
-        let once = splice(page, CNI, "## CNI\nv1");
-        assert!(once.starts_with("# B\n\ntext\n\n<!-- bench:cni:begin"));
-        assert!(once.contains("v1"));
-        let twice = splice(&once, CNI, "## CNI\nv2");
-        assert!(twice.contains("v2") && !twice.contains("v1"));
-        assert_eq!(twice.matches("bench:cni:begin").count(), 1);
-        let both = splice(&twice, SCALE, "## S");
-        assert!(both.contains("v2") && both.contains("## S"));
-    }
-
-    #[test]
-    fn cni_verdict_follows_the_figures() {
-        let c = CniBench {
-            add_ms: vec![2.0; 10],
-            del_ms: vec![1.0; 10],
-            nft_ms: vec![10.0; 10],
-            legacy_ms: vec![8.0; 10],
-            version_ms: vec![1.0; 10],
-            rule_lines: (30, 30),
-            state_fs: "tmpfs".into(),
-            tcx_attach_ms: vec![1.0],
-            tcx_detach_ms: vec![1.0],
-            add_tc_ms: vec![5.0; 10],
-            del_tc_ms: vec![1.0; 10],
-            ..CniBench::default()
-        };
-        // 2 ms against the faster install's 8 ms: met; the tc hook's 5 ms: not met.
-        let text = cni_section(&c, "d");
-        assert!(text.contains("= 0.25× — met"), "{text}");
-        assert!(text.contains("= 0.62× — **not met**"), "{text}");
-        let slow = CniBench {
-            add_ms: vec![5.0; 10],
-            ..c
-        };
-        assert!(!cni_section(&slow, "d").contains("— met"));
-    }
-}
-
 /// The ambient section: both lanes through the same ztunnel, medians over the rounds.
 pub fn ambient_section(a: &AmbientBench, date: &str, machine: &str) -> String {
     let mut o = String::new();
@@ -505,4 +460,49 @@ pub fn ambient_section(a: &AmbientBench, date: &str, machine: &str) -> String {
         );
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splice_replaces_or_appends() {
+        let page = "# B\n\ntext\n";
+        let once = splice(page, CNI, "## CNI\nv1");
+        assert!(once.starts_with("# B\n\ntext\n\n<!-- bench:cni:begin"));
+        assert!(once.contains("v1"));
+        let twice = splice(&once, CNI, "## CNI\nv2");
+        assert!(twice.contains("v2") && !twice.contains("v1"));
+        assert_eq!(twice.matches("bench:cni:begin").count(), 1);
+        let both = splice(&twice, SCALE, "## S");
+        assert!(both.contains("v2") && both.contains("## S"));
+    }
+
+    #[test]
+    fn cni_verdict_follows_the_figures() {
+        let c = CniBench {
+            add_ms: vec![2.0; 10],
+            del_ms: vec![1.0; 10],
+            nft_ms: vec![10.0; 10],
+            legacy_ms: vec![8.0; 10],
+            version_ms: vec![1.0; 10],
+            rule_lines: (30, 30),
+            state_fs: "tmpfs".into(),
+            tcx_attach_ms: vec![1.0],
+            tcx_detach_ms: vec![1.0],
+            add_tc_ms: vec![5.0; 10],
+            del_tc_ms: vec![1.0; 10],
+            ..CniBench::default()
+        };
+        // 2 ms against the faster install's 8 ms: met; the tc hook's 5 ms: not met.
+        let text = cni_section(&c, "d");
+        assert!(text.contains("= 0.25× — met"), "{text}");
+        assert!(text.contains("= 0.62× — **not met**"), "{text}");
+        let slow = CniBench {
+            add_ms: vec![5.0; 10],
+            ..c
+        };
+        assert!(!cni_section(&slow, "d").contains("— met"));
+    }
 }
