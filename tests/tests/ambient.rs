@@ -242,6 +242,8 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
         "ztunnel was given a pod outside the mesh: {all:?}"
     );
     ensure!(agent.get("/readyz")?.1.contains("ztunnel connected"));
+    let status = agent_support::status(&env)?.to_string();
+    ensure!(status.contains("\"ambient\""), "sidestep status: {status}");
 
     // Outbound: the client app's connect lands on ztunnel's 15001 in the client's own netns.
     let server_ip = server.ipv4.to_string();

@@ -145,6 +145,7 @@ pub fn summarize_policy(p: &PodPolicy) -> PolicySummary {
         (flags::HAIRPIN, "hairpin"),
         (flags::DNS_CAPTURE, "dns"),
         (flags::TPROXY, "tproxy"),
+        (flags::AMBIENT, "ambient"),
         (flags::IPV6, "ipv6"),
         (flags::SK_MSG, "sk_msg"),
         (flags::DEBUG, "debug-log"),
@@ -342,12 +343,16 @@ impl Status {
             } else {
                 format!("  re-routed [{}]", pod.rerouted.join(","))
             };
+            // Ambient mode keeps ztunnel's mark and mask in the identity fields.
+            let proxy = if p.capture.contains(&"ambient") {
+                format!("ztunnel mark {:#x}/{:#x}", p.proxy_uid, p.proxy_gid)
+            } else {
+                format!("proxy uid {} gid {}", p.proxy_uid, p.proxy_gid)
+            };
             let _ = writeln!(
                 out,
-                "  netns {:<8} {inbound}{rerouted}  proxy uid {} gid {}  ports out {} in {} dns {}  [{}]",
+                "  netns {:<8} {inbound}{rerouted}  {proxy}  ports out {} in {} dns {}  [{}]",
                 pod.netns_cookie,
-                p.proxy_uid,
-                p.proxy_gid,
                 p.outbound_port,
                 p.inbound_port,
                 p.dns_port,
