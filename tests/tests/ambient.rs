@@ -83,6 +83,9 @@ fn start_ztunnel(env: &TestEnv, uds: &std::path::Path) -> Result<ChildGuard> {
 struct AmbientNode {
     api: PodApi,
     agent: Agent,
+    /// The agent's arguments and port, to start it again.
+    args: Vec<String>,
+    port: u16,
     node: sidestep_tests::Node,
     /// The agent's ZDS socket.
     uds: std::path::PathBuf,
@@ -132,6 +135,8 @@ impl AmbientNode {
         Ok(Self {
             api,
             agent,
+            args,
+            port,
             node,
             uds,
             _dirs: d,
@@ -168,7 +173,9 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
     server_json["spec"]["serviceAccountName"] = "server-sa".into();
     let AmbientNode {
         api,
-        agent,
+        mut agent,
+        args,
+        port,
         node,
         uds,
         _dirs,
@@ -205,7 +212,10 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
         )
     })
     .with_context(|| agent.log())?;
-    ensure!(agent.get("/readyz")?.1.contains("ztunnel NOT connected"));
+    // ZDS opens once the agent knows the node's ambient pods.
+    wait_until("ZDS to open", Duration::from_secs(10), || {
+        Ok(agent.get("/readyz")?.1.contains("ztunnel NOT connected"))
+    })?;
 
     let mut ztunnel = start_ztunnel(&env, &uds)?;
     for uid in ["uid-mesh-client", "uid-mesh-server"] {
@@ -327,6 +337,36 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
             && zds_events(&ztunnel, "add", "uid-mesh-server") == 1)
     })
     .with_context(|| format!("{}\n{}", ztunnel.stdout(), agent.log()))?;
+
+    // The agent restarts while ztunnel runs: ztunnel connects to the new agent, whose first
+    // snapshot must already hold both pods (ztunnel drains what a snapshot lacks).
+    agent.child.terminate(Duration::from_secs(10))?;
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    wait_until("ztunnel's second snapshot", Duration::from_secs(15), || {
+        Ok(lines(&ztunnel)
+            .iter()
+            .filter(|l| l["zds"] == "snapshot-sent")
+            .count()
+            == 2)
+    })
+    .with_context(|| format!("{}\n{}", ztunnel.stdout(), agent.log()))?;
+    let all = lines(&ztunnel);
+    let second_hello = all
+        .iter()
+        .rposition(|l| l["zds"] == "hello")
+        .context("no second hello")?;
+    let snapshot: Vec<&Value> = all[second_hello..]
+        .iter()
+        .take_while(|l| l["zds"] != "snapshot-sent")
+        .filter(|l| l["zds"] == "add")
+        .collect();
+    ensure!(
+        ["uid-mesh-client", "uid-mesh-server"]
+            .iter()
+            .all(|u| snapshot.iter().any(|l| l["uid"] == *u)),
+        "the snapshot after the agent's restart lacks a pod: {snapshot:?}"
+    );
 
     // A namespace labelled ambient while its pod runs: the namespace watch has repair ask the
     // plugin again, which now enrols the pod, and the agent hands it to ztunnel.

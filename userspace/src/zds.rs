@@ -119,6 +119,8 @@ pub enum ZdsError {
     },
     #[error("ztunnel connection {id} went away before answering")]
     Gone { id: u64 },
+    #[error("ztunnel connection {id} sent a message nobody asked for")]
+    Unasked { id: u64 },
 }
 
 enum Command {
@@ -144,6 +146,8 @@ struct Shared {
     path: PathBuf,
     state: Mutex<State>,
     next_id: AtomicU64,
+    /// Connections are served only once this is set (see [`ZdsServer::listen_closed`]).
+    open: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl Shared {
@@ -170,6 +174,15 @@ impl ZdsServer {
     /// Listens on `path` (a stale socket file there is removed first, as Istio's agent does) and
     /// serves every ztunnel that connects, for as long as the process runs.
     pub fn listen(path: &Path) -> Result<Self, ZdsError> {
+        let server = Self::listen_closed(path)?;
+        server.open();
+        Ok(server)
+    }
+
+    /// As [`Self::listen`], but a ztunnel that connects waits (in the kernel's backlog) until
+    /// [`Self::open`]: its first snapshot must hold every pod it already serves, or ztunnel drains
+    /// the ones it lacks. The agent opens once it knows its node's ambient pods.
+    pub fn listen_closed(path: &Path) -> Result<Self, ZdsError> {
         let failed = |step, source| ZdsError::Socket {
             path: path.to_path_buf(),
             step,
@@ -199,6 +212,7 @@ impl ZdsServer {
             path: path.to_path_buf(),
             state: Mutex::new(State::default()),
             next_id: AtomicU64::new(1),
+            open: (Mutex::new(false), std::sync::Condvar::new()),
         });
         let server = Self { shared };
         let acceptor = server.clone();
@@ -212,6 +226,22 @@ impl ZdsServer {
 
     pub fn path(&self) -> &Path {
         &self.shared.path
+    }
+
+    /// Starts serving connections (see [`Self::listen_closed`]).
+    pub fn open(&self) {
+        let (open, changed) = &self.shared.open;
+        *open.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        changed.notify_all();
+    }
+
+    pub fn is_open(&self) -> bool {
+        *self
+            .shared
+            .open
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether a ztunnel is connected and has its snapshot.
@@ -280,13 +310,29 @@ impl ZdsServer {
     }
 
     fn accept_loop(self, listener: OwnedFd) {
+        {
+            let (open, changed) = &self.shared.open;
+            let mut is_open = open.lock().unwrap_or_else(PoisonError::into_inner);
+            while !*is_open {
+                is_open = changed
+                    .wait(is_open)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+        }
+        let mut failures = 0u32;
         loop {
             let raw = match accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
-                Ok(raw) => raw,
+                Ok(raw) => {
+                    failures = 0;
+                    raw
+                }
                 Err(nix::Error::EINTR) => continue,
                 Err(e) => {
-                    tracing::error!(error = %e, "ZDS: accept failed; no more ztunnel connections");
-                    return;
+                    // EMFILE, ENOMEM and the like pass; the listener stays.
+                    failures = (failures + 1).min(10);
+                    tracing::error!(error = %e, "ZDS: accept failed; trying again");
+                    std::thread::sleep(Duration::from_millis(50) * failures);
+                    continue;
                 }
             };
             // SAFETY: accept4 returned a new fd that nothing else owns.
@@ -314,6 +360,9 @@ fn serve(shared: &Arc<Shared>, id: u64, conn: OwnedFd) {
     drop(state);
     match outcome {
         Ok(()) => tracing::info!(connection = id, left, "ZDS: ztunnel disconnected"),
+        Err(e @ ZdsError::Unasked { .. }) => {
+            tracing::warn!(connection = id, left, error = %e, "ZDS: protocol error; connection dropped")
+        }
         Err(e) => tracing::warn!(connection = id, left, error = %e, "ZDS: connection dropped"),
     }
 }
@@ -344,13 +393,25 @@ fn serve_connection(shared: &Arc<Shared>, id: u64, conn: &OwnedFd) -> Result<(),
     );
     for w in &snapshot {
         // Istio logs a NACK in a snapshot and goes on; ztunnel retries that workload itself.
-        if let Err(e) = send_workload(id, fd, w, true) {
-            match e {
-                ZdsError::Nack { .. } | ZdsError::Netns { .. } => {
-                    tracing::warn!(connection = id, error = %e, "ZDS: snapshot entry not taken")
-                }
-                other => return Err(other),
+        let sent = match send_workload(id, fd, w, true) {
+            // A netns that cannot be opened now: ztunnel keeps the proxy it may run for it.
+            Err(e @ ZdsError::Netns { .. }) => {
+                tracing::warn!(connection = id, error = %e, "ZDS: sending a Keep instead");
+                request(
+                    id,
+                    fd,
+                    Payload::Keep(KeepWorkload { uid: w.uid.clone() }),
+                    None,
+                )
             }
+            other => other,
+        };
+        match sent {
+            Ok(()) => {}
+            Err(e @ ZdsError::Nack { .. }) => {
+                tracing::warn!(connection = id, error = %e, "ZDS: snapshot entry not taken")
+            }
+            Err(other) => return Err(other),
         }
     }
     request(id, fd, Payload::SnapshotSent(SnapshotSent {}), None).map_err(|e| match e {
@@ -379,11 +440,11 @@ fn serve_connection(shared: &Arc<Shared>, id: u64, conn: &OwnedFd) -> Result<(),
                     return Err(ZdsError::Gone { id });
                 }
             }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if !wire::alive(fd) {
-                    return Ok(());
-                }
-            }
+            Err(mpsc::RecvTimeoutError::Timeout) => match wire::idle_check(fd) {
+                wire::Idle::Alive => {}
+                wire::Idle::Closed => return Ok(()),
+                wire::Idle::Unasked => return Err(ZdsError::Unasked { id }),
+            },
             Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
         }
     }

@@ -10,16 +10,23 @@
 //!
 //! After ztunnel's Ack the pod is annotated `ambient.istio.io/redirection: enabled`, through
 //! the pods/status subresource as istio-cni does (`pending` while ztunnel has not taken it).
+//!
+//! ZDS is served only once the pod watch has listed the node's pods and one pass has put every
+//! recorded ambient pod in the server: ztunnel drains whatever its first snapshot lacks, so after
+//! an agent restart an empty snapshot would cut every ambient pod off.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, PoisonError},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use super::{Agent, pods, repair};
-use crate::zds::{Workload, ZdsError, ZdsServer};
+use crate::{
+    netns::Netns,
+    zds::{Workload, ZdsError, ZdsServer},
+};
 
 /// The annotation istio-cni writes on an ambient pod, and its two values.
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
@@ -28,13 +35,19 @@ const PENDING: &str = "pending";
 
 /// How often the records are compared with what ztunnel holds (a record appears at ADD).
 const SYNC_INTERVAL: Duration = Duration::from_millis(250);
+/// How soon a pod ztunnel has not taken is tried again.
+const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What ztunnel was given, by pod UID.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Handed {
     netns: PathBuf,
-    /// The pod's annotation as last written.
-    annotated: &'static str,
+    /// `ENABLED` once ztunnel acknowledged this netns, else `PENDING`.
+    state: &'static str,
+    /// The pod's annotation as last written successfully.
+    annotated: Option<&'static str>,
+    /// A pending pod is tried again from then on.
+    next_try: Instant,
 }
 
 pub struct Ambient {
@@ -54,28 +67,45 @@ impl std::fmt::Debug for Ambient {
 struct Recorded {
     namespace: String,
     name: String,
+    /// The netns as the agent sees it.
     netns: PathBuf,
+    netns_cookie: u64,
+    created_unix: u64,
+    /// An ADD is under way (or died) for this attachment.
+    pending: bool,
 }
 
 impl Ambient {
+    /// Listens, but serves ztunnel only once the first pass knows the node's ambient pods (see
+    /// [`ZdsServer::listen_closed`]): after an agent restart, ztunnel's first snapshot must
+    /// carry every pod it serves, or it drains them.
     pub fn listen(socket: &Path) -> Result<Self, ZdsError> {
         Ok(Self {
-            zds: ZdsServer::listen(socket)?,
+            zds: ZdsServer::listen_closed(socket)?,
             handed: Mutex::new(BTreeMap::new()),
         })
     }
 
+    fn handed(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Handed>> {
+        self.handed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The /readyz line: whether ztunnel is connected, and how many pods it holds.
     pub fn summary(&self) -> String {
-        let handed = self.handed.lock().unwrap_or_else(PoisonError::into_inner);
-        let enabled = handed.values().filter(|h| h.annotated == ENABLED).count();
+        let enabled = self
+            .handed()
+            .values()
+            .filter(|h| h.state == ENABLED)
+            .count();
+        let link = if !self.zds.is_open() {
+            "held back (the pod watch has not listed this node's pods yet)"
+        } else if self.zds.connected() {
+            "connected"
+        } else {
+            "NOT connected"
+        };
         format!(
-            "ambient: ztunnel {} on {}, {enabled} of {} ambient pods handed to it\n",
-            if self.zds.connected() {
-                "connected"
-            } else {
-                "NOT connected"
-            },
+            "ambient: ztunnel {link} on {}, {enabled} of {} ambient pods handed to it\n",
             self.zds.path().display(),
             self.zds.workloads().len(),
         )
@@ -83,64 +113,67 @@ impl Ambient {
 
     /// One pass: every recorded ambient pod to ztunnel, every pod whose record went away from it.
     fn sync(&self, agent: &Agent) {
-        let records = ambient_records(&agent.settings.state_dir);
+        // Read first: a pass that started before the watch listed the pods cannot open ZDS.
+        let synced = agent.pod_watch.synced();
+        let records = ambient_records(&agent.settings.state_dir, &agent.settings.proc_dir);
         let kubeconfig = repair::api_kubeconfig(&agent.settings);
-        let mut wanted = BTreeMap::new();
+        let mut wanted: BTreeMap<String, (Workload, u64)> = BTreeMap::new();
+        // Pods with an ADD under way: ztunnel may hold them, and they are coming back.
+        let mut held = BTreeSet::new();
         for r in records {
             // ztunnel names workloads by the pod's UID, which only the API knows.
             let Some(pod) = agent.pod_watch.pod(&r.namespace, &r.name) else {
-                tracing::debug!(pod = %format!("{}/{}", r.namespace, r.name), "ambient: pod not in the watch yet");
                 continue;
             };
             let Some(uid) = pod.metadata.uid.clone() else {
                 continue;
             };
+            if r.pending {
+                held.insert(uid);
+                continue;
+            }
             let service_account = pod
                 .spec
                 .as_ref()
                 .and_then(|s| s.service_account_name.clone())
                 .unwrap_or_else(|| "default".into());
-            wanted.insert(
-                uid.clone(),
-                Workload {
-                    uid,
-                    name: r.name,
-                    namespace: r.namespace,
-                    service_account,
-                    netns: Some(r.netns),
-                },
-            );
+            let w = Workload {
+                uid: uid.clone(),
+                name: r.name,
+                namespace: r.namespace,
+                service_account,
+                netns: Some(r.netns),
+            };
+            wanted.insert(uid, (w, r.netns_cookie));
         }
-        let known: Vec<(String, Handed)> = self
-            .handed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (uid, _) in known.iter().filter(|(uid, _)| !wanted.contains_key(uid)) {
+        let known: BTreeMap<String, Handed> = self.handed().clone();
+        // Dels first: they must not wait behind Adds that wait for ztunnel.
+        for uid in known.keys() {
+            if wanted.contains_key(uid) || held.contains(uid) {
+                continue;
+            }
             match self.zds.del(uid) {
                 Ok(_) => tracing::info!(uid = %uid, "ambient: ztunnel released the pod"),
                 Err(e) => tracing::warn!(uid = %uid, error = %e, "ambient: Del"),
             }
-            self.handed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(uid);
+            self.handed().remove(uid);
         }
-        for (uid, w) in wanted {
-            let before = known
-                .iter()
-                .find(|(k, _)| *k == uid)
-                .map(|(_, h)| h.clone());
+        let now = Instant::now();
+        for (uid, (w, cookie)) in wanted {
+            let before = known.get(&uid).cloned();
+            let netns = w.netns.clone().unwrap_or_default();
             if before
                 .as_ref()
-                .is_some_and(|h| h.annotated == ENABLED && Some(&h.netns) == w.netns.as_ref())
+                .is_some_and(|h| (h.state == ENABLED && h.netns == netns) || h.next_try > now)
             {
                 continue;
             }
             let who = format!("{}/{}", w.namespace, w.name);
-            let netns = w.netns.clone().unwrap_or_default();
+            // The path must still name the recorded netns (a path is reused after a DEL).
+            if let Err(why) = same_netns(&netns, cookie) {
+                tracing::warn!(pod = %who, netns = %netns.display(), reason = %why, "ambient: not handing the pod to ztunnel");
+                continue;
+            }
             let outcome = self.zds.add(w.clone());
             let state = match &outcome {
                 Ok(()) => {
@@ -149,12 +182,13 @@ impl Ambient {
                 }
                 Err(e) => {
                     if before.is_none() {
-                        tracing::warn!(pod = %who, error = %e, "ambient: ztunnel has not taken the pod; retrying");
+                        tracing::warn!(pod = %who, error = %e, "ambient: ztunnel has not taken the pod; retrying every second");
                     }
                     PENDING
                 }
             };
-            if before.as_ref().map(|h| h.annotated) != Some(state)
+            let mut annotated = before.as_ref().and_then(|h| h.annotated);
+            if annotated != Some(state)
                 && let Some(kc) = &kubeconfig
             {
                 let pod = repair::NodePod {
@@ -162,50 +196,78 @@ impl Ambient {
                     name: w.name.clone(),
                     uid: uid.clone(),
                 };
-                if let Err(e) =
-                    super::podapi::annotate_status(kc, &pod, REDIRECTION_ANNOTATION, state)
-                {
-                    tracing::warn!(pod = %who, error = %e, "ambient: annotating the pod");
+                match super::podapi::annotate_status(kc, &pod, REDIRECTION_ANNOTATION, state) {
+                    Ok(()) => annotated = Some(state),
+                    Err(e) => tracing::warn!(pod = %who, error = %e, "ambient: annotating the pod"),
                 }
             }
-            self.handed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(
-                    uid,
-                    Handed {
-                        netns,
-                        annotated: state,
-                    },
-                );
+            self.handed().insert(
+                uid,
+                Handed {
+                    netns,
+                    state,
+                    annotated,
+                    next_try: now + RETRY_INTERVAL,
+                },
+            );
+        }
+        if synced && !self.zds.is_open() {
+            tracing::info!(
+                pods = self.zds.workloads().len(),
+                "ambient: serving ZDS now that this node's ambient pods are known"
+            );
+            self.zds.open();
         }
     }
 }
 
-/// The plugin's records of ambient pods (finished ADDs with a Kubernetes identity).
-fn ambient_records(state_dir: &Path) -> Vec<Recorded> {
+/// Whether `path` is the netns with `cookie` now.
+fn same_netns(path: &Path, cookie: u64) -> Result<(), String> {
+    let netns = Netns::open(path).map_err(|e| e.to_string())?;
+    match netns.cookie() {
+        Ok(c) if c == cookie => Ok(()),
+        Ok(c) => Err(format!(
+            "it is netns cookie {c} now, not the recorded {cookie}"
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The plugin's records of ambient pods with a Kubernetes identity: per pod, its newest finished
+/// record (a pod replaced under the same name can still have its old sandbox's record until that
+/// DEL), and any pending ones.
+fn ambient_records(state_dir: &Path, proc_dir: &Path) -> Vec<Recorded> {
     let mut out: Vec<Recorded> = Vec::new();
     for (path, record) in pods::records(state_dir) {
-        let ambient = std::fs::read(&path)
+        let Some(v) = std::fs::read(&path)
             .ok()
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-            .is_some_and(|v| {
-                v["policy"]["ambient"].as_bool() == Some(true) && v["pending"] != true
-            });
+        else {
+            continue;
+        };
+        if v["policy"]["ambient"].as_bool() != Some(true) {
+            continue;
+        }
         let (Some(namespace), Some(name)) = (record.pod_namespace, record.pod_name) else {
             continue;
         };
-        // One pod, several attachments: one workload.
-        if ambient
-            && !out
-                .iter()
-                .any(|r| r.namespace == namespace && r.name == name)
-        {
-            out.push(Recorded {
-                namespace,
-                name,
-                netns: record.netns,
-            });
+        let r = Recorded {
+            namespace,
+            name,
+            netns: pods::agent_view(&record.netns, proc_dir),
+            netns_cookie: record.netns_cookie,
+            created_unix: v["createdUnix"].as_u64().unwrap_or(0),
+            pending: v["pending"] == true,
+        };
+        // One pod, several attachments (or an old sandbox): one workload, the newest.
+        let same = |o: &Recorded| o.namespace == r.namespace && o.name == r.name && !o.pending;
+        match out.iter().position(same) {
+            Some(i) if !r.pending => {
+                if r.created_unix > out[i].created_unix {
+                    out[i] = r;
+                }
+            }
+            _ => out.push(r),
         }
     }
     out

@@ -257,3 +257,29 @@ fn a_workload_argument_has_five_fields() {
             .contains("empty")
     );
 }
+
+#[test]
+fn a_closed_server_holds_ztunnel_until_it_knows_its_pods() {
+    let (_dir, path) = socket_path("z.sock");
+    let server = ZdsServer::listen_closed(&path).unwrap();
+    assert!(!server.is_open());
+    // ztunnel connects at once (the agent just restarted); nothing is sent to it yet.
+    let z = Ztunnel::connect(&path);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!server.connected());
+    // The pods the agent knows, one whose netns is gone: a Keep, so ztunnel keeps its proxy.
+    let _ = server.add(pod("a", Some("/proc/self/ns/net")));
+    let _ = server.add(pod("gone", Some("/nonexistent/netns")));
+    server.open();
+    assert_eq!(
+        z.answer(""),
+        Got::Add {
+            uid: "a".into(),
+            name: "pod-a".into(),
+            netns_fd: true
+        }
+    );
+    assert_eq!(z.answer(""), Got::Keep("gone".into()));
+    assert_eq!(z.answer(""), Got::SnapshotSent);
+    wait_until("the connection", || server.connected());
+}

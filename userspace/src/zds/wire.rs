@@ -102,13 +102,38 @@ pub fn recv<M: prost::Message + Default>(
     Ok((msg, fds))
 }
 
-/// Whether the peer is still there, without taking a message: a packet waiting now is a
-/// protocol error (ztunnel speaks only to answer), and a hang-up or EOF ends the connection.
-pub fn alive(fd: BorrowedFd<'_>) -> bool {
+/// What an idle connection looks like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idle {
+    Alive,
+    /// The peer hung up (EOF, or an error on the socket).
+    Closed,
+    /// A packet is waiting: ztunnel speaks only to answer, so that is a protocol error.
+    Unasked,
+}
+
+/// Checks an idle connection without taking a message (10 ms).
+pub fn idle_check(fd: BorrowedFd<'_>) -> Idle {
     let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
     match poll(&mut fds, PollTimeout::from(10u8)) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => e == nix::Error::EINTR,
+        Ok(0) => Idle::Alive,
+        Ok(_) => {
+            let events = fds[0].revents().unwrap_or(PollFlags::empty());
+            if events.intersects(PollFlags::POLLHUP | PollFlags::POLLERR) {
+                return Idle::Closed;
+            }
+            // Readable: a packet, or the end of stream (a zero-length read).
+            let mut byte = [0u8; 1];
+            match nix::sys::socket::recv(
+                fd.as_raw_fd(),
+                &mut byte,
+                nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(0) | Err(_) => Idle::Closed,
+                Ok(_) => Idle::Unasked,
+            }
+        }
+        Err(nix::Error::EINTR) => Idle::Alive,
+        Err(_) => Idle::Closed,
     }
 }

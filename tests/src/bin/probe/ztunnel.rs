@@ -3,7 +3,8 @@
 //! fd is refused), and for each Add it enters the pod's netns from the fd and listens there on
 //! 15001, 15006 and 15008 (both families), every socket marked 1337 and transparent as ztunnel's
 //! are. It does not proxy: each accepted connection is reported as a JSON line with the workload
-//! and what SO_ORIGINAL_DST says, and ZDS events are reported as lines too.
+//! and what SO_ORIGINAL_DST says, and ZDS events are reported as lines too. When the agent goes
+//! away it connects again, keeping its proxies, as ztunnel does.
 
 use std::{
     collections::BTreeMap,
@@ -62,12 +63,25 @@ fn connect_agent(uds: &Path) -> anyhow::Result<OwnedFd> {
     }
 }
 
+/// Connects again whenever the agent goes away, as ztunnel does; the proxies keep running
+/// across connections, and an Add for one that runs is a no-op.
 fn serve(uds: &Path) -> anyhow::Result<()> {
-    let conn = connect_agent(uds)?;
-    zds::send(conn.as_fd(), &ZdsHello { version: 1 })?;
-    say(r#"{"zds":"hello"}"#);
     // Listener fds per workload, to close on Del.
     let mut running: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+    loop {
+        let conn = connect_agent(uds)?;
+        zds::send(conn.as_fd(), &ZdsHello { version: 1 })?;
+        say(r#"{"zds":"hello"}"#);
+        if let Err(e) = serve_connection(&conn, &mut running) {
+            say(&format!(r#"{{"zds":"error","error":"{e}"}}"#));
+        }
+    }
+}
+
+fn serve_connection(
+    conn: &OwnedFd,
+    running: &mut BTreeMap<String, Vec<i32>>,
+) -> anyhow::Result<()> {
     while let Some((req, fds)) = zds::recv_request(conn.as_fd())? {
         let answer = match req.payload {
             Some(Request::Add(add)) => {
