@@ -350,6 +350,19 @@ impl PluginConfig {
                 "ambient mode is Istio's; set mesh to \"istio\" or remove ambient_enabled",
             ));
         }
+        // The runtime's annotations carry no labels: the ambient selectors cannot be read there.
+        if raw.ambient_enabled == Some(true)
+            && matches!(
+                pod_source,
+                PodSourceChoice::Annotations | PodSourceChoice::PreferAnnotations
+            )
+        {
+            return Err(field(
+                "pod_source",
+                "ambient_enabled needs the Pod and its namespace from the API (their \
+                 istio.io/dataplane-mode labels); use \"auto\" or \"api\"",
+            ));
+        }
         let prev_result = match raw.prev_result {
             // DEL is best effort: a prevResult it cannot read must not keep a pod from going away.
             Some(v) if command == Command::Del => PrevResult::parse(&v, cni_version)

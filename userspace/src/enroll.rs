@@ -99,6 +99,15 @@ pub fn enroll_netns(
     // The return route (TPROXY, ambient) goes in before the pod entry that starts marking
     // connections.
     let return_route = tproxy::ReturnRoute::of_pod_flags(entries.pod.flags);
+    // Another mode's route goes first: removing it clears tcp_fwmark_accept, which the new
+    // route needs set.
+    if let Some(previous) = previous_flags.and_then(tproxy::ReturnRoute::of_pod_flags)
+        && return_route != Some(previous)
+        && let Err(e) = tproxy::configure(netns, previous, false)
+    {
+        // Harmless if left: only packets with that mark take that route.
+        tracing::warn!("re-enrolled in another mode, but the previous return route stays: {e}");
+    }
     if let Some(route) = return_route {
         tproxy::configure(netns, route, true)?;
     }
@@ -185,13 +194,6 @@ pub fn enroll_netns(
         }
         undo_tproxy();
         return Err(e);
-    }
-    if let Some(previous) = previous_flags.and_then(tproxy::ReturnRoute::of_pod_flags)
-        && return_route != Some(previous)
-        && let Err(e) = tproxy::configure(netns, previous, false)
-    {
-        // Harmless if left: only packets with that mark take that route.
-        tracing::warn!("re-enrolled in another mode, but the previous return route stays: {e}");
     }
     let (interfaces, inbound_ifindexes) = attached.into_iter().unzip();
     Ok(Enrolled {

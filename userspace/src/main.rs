@@ -379,7 +379,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One line on stdout per change, for scripts and tests to wait on.
 /// Hands the workloads to whichever ztunnel connects (each new connection gets them all in its
 /// snapshot), and says when one is connected.
 fn ztunnel_serve(
@@ -414,6 +413,7 @@ fn ztunnel_serve(
     }
 }
 
+/// One line on stdout per change, for scripts and tests to wait on.
 fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
     use sidestep::addrfollow::{self, FollowEvent};
     let wanted: std::collections::BTreeSet<PathBuf> = netns.into_iter().collect();

@@ -418,14 +418,8 @@ impl Policy {
                 });
             }
         }
-        if self.ambient && self.interception_mode == InterceptionMode::Tproxy {
-            return Err(PolicyError::Value {
-                field: "interceptionMode".into(),
-                value: "TPROXY".into(),
-                reason: "ambient mode has no TPROXY interception (ztunnel's in-pod rules are \
-                         REDIRECT only)"
-                    .into(),
-            });
+        if self.ambient {
+            self.validate_ambient()?;
         }
         if self.outbound_port == self.inbound_port {
             return Err(PolicyError::Value {
@@ -433,6 +427,57 @@ impl Policy {
                 value: self.inbound_port.to_string(),
                 reason: "must differ from outboundPort".into(),
             });
+        }
+        Ok(())
+    }
+
+    /// istio-cni's in-pod rules have none of the sidecar's traffic options: a policy that sets
+    /// one with `ambient` would be silently ignored, so it is refused.
+    fn validate_ambient(&self) -> Result<(), PolicyError> {
+        let refuse = |field: &str, value: String| {
+            Err(PolicyError::Value {
+                field: field.into(),
+                value,
+                reason: "ambient mode applies istio-cni's in-pod rules, which have no such option"
+                    .into(),
+            })
+        };
+        if self.interception_mode == InterceptionMode::Tproxy {
+            return refuse("interceptionMode", "TPROXY".into());
+        }
+        if self.include_outbound_ip_ranges != CidrSet::All {
+            return refuse(
+                "includeOutboundIPRanges",
+                format!("{:?}", self.include_outbound_ip_ranges),
+            );
+        }
+        let unset_cidrs = |c: &CidrSet| matches!(c, CidrSet::Only(v) if v.is_empty());
+        let unset_ports = |p: &PortSet| matches!(p, PortSet::Only(v) if v.is_empty());
+        if !unset_cidrs(&self.exclude_outbound_ip_ranges) {
+            return refuse(
+                "excludeOutboundIPRanges",
+                format!("{:?}", self.exclude_outbound_ip_ranges),
+            );
+        }
+        for (field, ports) in [
+            ("includeOutboundPorts", &self.include_outbound_ports),
+            ("excludeOutboundPorts", &self.exclude_outbound_ports),
+            ("excludeInboundPorts", &self.exclude_inbound_ports),
+        ] {
+            if !unset_ports(ports) {
+                return refuse(field, format!("{ports:?}"));
+            }
+        }
+        if !matches!(self.include_inbound_ports, PortSet::All)
+            && !unset_ports(&self.include_inbound_ports)
+        {
+            return refuse(
+                "includeInboundPorts",
+                format!("{:?}", self.include_inbound_ports),
+            );
+        }
+        if !self.exclude_interfaces.is_empty() {
+            return refuse("excludeInterfaces", self.exclude_interfaces.join(","));
         }
         Ok(())
     }

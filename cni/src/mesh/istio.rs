@@ -42,6 +42,8 @@ pub const DATAPLANE_NONE: &str = "none";
 pub const AMBIENT_DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
 /// Ingress mode: no inbound capture.
 pub const AMBIENT_BYPASS_INBOUND: &str = "ambient.istio.io/bypass-inbound-capture";
+/// Where Istio runs ztunnel (its system namespace).
+pub const ZTUNNEL_NAMESPACE: &str = "istio-system";
 
 /// istio-cni's default for both port exclusion annotations: the proxy's status port.
 const DEFAULT_EXCLUDED_PORTS: &str = "15020";
@@ -120,6 +122,14 @@ pub fn ambient_policy(pod: &PodInfo) -> Result<Policy, AnnotationError> {
 /// `ambient`: istio-cni's plugin checks the ambient selectors first, and a pod they pick is
 /// ztunnel's; every other pod goes through the sidecar rules.
 pub fn decide(pod: &PodInfo, ambient: bool) -> Result<Decision, AnnotationError> {
+    // ztunnel's own pod is never captured: its connections to istiod carry no mark in its own
+    // netns (istio-cni's IsZtunnelPod).
+    if ambient
+        && pod.namespace == ZTUNNEL_NAMESPACE
+        && pod.labels.get("app").is_some_and(|a| a == "ztunnel")
+    {
+        return Ok(Decision::Skip(SkipReason::ZtunnelPod));
+    }
     if ambient && is_ambient(pod) {
         return Ok(enrol(ambient_policy(pod)?, true));
     }

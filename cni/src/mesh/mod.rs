@@ -50,6 +50,8 @@ pub enum SkipReason {
         from_label: bool,
     },
     NotInjected(&'static str),
+    /// Istio ambient's ztunnel itself.
+    ZtunnelPod,
 }
 
 impl fmt::Display for SkipReason {
@@ -76,6 +78,7 @@ impl fmt::Display for SkipReason {
                 if *from_label { "label" } else { "annotation" }
             ),
             Self::NotInjected(key) => write!(f, "it has no {key} annotation (not injected)"),
+            Self::ZtunnelPod => f.write_str("it is ztunnel's own pod (istio-system, app=ztunnel)"),
         }
     }
 }

@@ -540,3 +540,32 @@ fn ambient_enabled_is_istios() {
     assert!(bad.unwrap_err().to_string().contains("ambient_enabled"));
     assert!(cfg(json!({"ambient_enabled": true})).ambient_enabled);
 }
+
+#[test]
+fn ambient_needs_the_api_and_skips_ztunnel() {
+    for source in ["annotations", "prefer-annotations"] {
+        let bad = PluginConfig::parse(
+            &serde_json::to_vec(
+                &json!({"cniVersion": "1.0.0", "name": "n", "type": "sidestep",
+                "ambient_enabled": true, "pod_source": source,
+                "kubernetes": {"kubeconfig": "/k"}}),
+            )
+            .unwrap(),
+            Command::Add,
+        );
+        assert!(
+            bad.unwrap_err().to_string().contains("pod_source"),
+            "{source}"
+        );
+    }
+    let mut z = plain_pod(
+        json!({"app": "ztunnel"}),
+        json!({}),
+        json!({"istio.io/dataplane-mode": "ambient"}),
+    );
+    z["metadata"]["namespace"] = json!("istio-system");
+    assert_eq!(
+        skipped(&decide_ambient(&z).unwrap()),
+        &SkipReason::ZtunnelPod
+    );
+}

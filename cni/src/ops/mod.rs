@@ -74,6 +74,25 @@ pub(crate) fn resolve(ctx: &Ctx<'_>) -> Result<Resolved, Result<Uncaptured, CniE
                     identity: Some(id.clone()),
                 })
             })?;
+            // Ambient pods are picked by labels (the pod's and its namespace's) that only the
+            // API has: a pod decided from the runtime's annotations could be ambient and go
+            // uncaptured. Only an injected sidecar pod is known not to be.
+            if ctx.cfg.ambient_enabled
+                && source != podsource::SourceUsed::Api
+                && pod.annotation(mesh::istio::STATUS).is_none()
+            {
+                return Err(Ok(Uncaptured {
+                    error: CniError::new(
+                        code::POD_UNREADABLE,
+                        format!(
+                            "pod {id}: ambient_enabled, and the pod and its namespace could not \
+                             be read from the API, so whether the pod is ambient \
+                             (istio.io/dataplane-mode) is unknown"
+                        ),
+                    ),
+                    identity: Some(id.clone()),
+                }));
+            }
             match mesh::decide_pod_with(ctx.cfg.mesh, ctx.cfg.ambient_enabled, &pod)
                 .map_err(|e| Err(e.to_cni()))?
             {

@@ -694,3 +694,29 @@ fn decide_only_reports_the_decision_and_changes_nothing() {
     assert!(v["reason"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
     assert!(h.world.pods.borrow().is_empty());
 }
+
+/// With ambient on, a pod decided from the runtime's annotations (the API did not answer) could
+/// be ambient: it is not let through as a plain pod; an injected sidecar pod still is decided.
+#[test]
+fn ambient_without_the_api_fails_closed_for_pods_that_could_be_ambient() {
+    let h = Harness::new();
+    let api = json!({"kubeconfig": "/nonexistent/kubeconfig", "pod_read_retries": 1,
+                     "pod_read_interval_ms": 1});
+    let plain = h.conf(json!({"ambient_enabled": true, "kubernetes": api,
+        "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {}}}));
+    let o = h.run("ADD", "c1", "/run/netns/a", &plain);
+    assert_eq!(err_code(&o), code::POD_UNREADABLE as u64);
+    let msg = o.stdout.unwrap()["msg"].as_str().unwrap().to_owned();
+    assert!(msg.contains("ambient"), "{msg}");
+    assert!(h.world.pods.borrow().is_empty() && h.files().is_empty());
+    // FAIL_OPEN lets it through, marked.
+    let mut open = plain.clone();
+    open["fail_strategy"] = json!("FAIL_OPEN");
+    assert!(h.run("ADD", "c1", "/run/netns/a", &open).success);
+    assert_eq!(h.files(), ["failopen/c1@eth0.json"]);
+    assert!(h.run("DEL", "c1", "/run/netns/a", &open).success);
+    // A sidecar-injected pod is never ambient: decided from its annotations as before.
+    let injected = h.conf(json!({"ambient_enabled": true, "kubernetes": api}));
+    assert!(h.run("ADD", "c2", "/run/netns/b", &injected).success);
+    assert_eq!(h.world.pods.borrow().len(), 1);
+}

@@ -59,7 +59,7 @@ pub fn is_orig_src_passthrough(c: &Connect) -> bool {
 #[inline(always)]
 pub fn outbound_verdict(c: &Connect) -> Verdict {
     let p = c.policy;
-    // The ip6tables half exists only when the pod has IPv6.
+    // Without IPv6 capture (`--no-ipv6`; istio-cni's rules without IPv6 enabled) IPv6 passes.
     if !is_v4_mapped(&c.dst) && p.flags & flags::IPV6 == 0 {
         return Verdict::pass(rule::NO_IPV6);
     }

@@ -181,7 +181,15 @@ fn an_ambient_pod_is_ztunnels_by_mark_with_only_hbone_excluded_inbound() {
     assert_eq!(back, p);
     let tproxy = Policy {
         interception_mode: InterceptionMode::Tproxy,
-        ..p
+        ..p.clone()
     };
     assert!(tproxy.validate().is_err());
+    // The sidecar's traffic options do not exist there; setting one is refused, not ignored.
+    let excluded: Policy = serde_json::from_str(
+        r#"{"ambient": true, "hairpin": false, "excludeOutboundPorts": "22"}"#,
+    )
+    .unwrap();
+    let e = excluded.validate().unwrap_err().to_string();
+    assert!(e.contains("excludeOutboundPorts"), "{e}");
+    assert!(Policy::istio_ambient(true, true).validate().is_ok());
 }
