@@ -145,6 +145,27 @@ impl AmbientCapture {
     }
 }
 
+/// ztunnel's local xDS (`LOCAL_XDS_PATH`): each `(name, service account, address)` as an HBONE
+/// workload of `namespace` on `node`, in the cluster.local trust domain (what a test or a
+/// benchmark runs an unmodified ztunnel with, instead of istiod).
+pub fn ztunnel_local_xds(
+    namespace: &str,
+    node: &str,
+    pods: &[(&str, &str, std::net::Ipv4Addr)],
+) -> String {
+    let mut out = String::from("workloads:\n");
+    for (name, sa, ip) in pods {
+        out.push_str(&format!(
+            "- uid: Kubernetes//v1/Pod/{namespace}/{name}\n  name: {name}\n  namespace: \
+             {namespace}\n  serviceAccount: {sa}\n  trustDomain: cluster.local\n  \
+             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n  network: \"\"\n  \
+             services: {{}}\n"
+        ));
+    }
+    out.push_str("policies: []\nservices: []\n");
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -425,20 +425,6 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
     Ok(())
 }
 
-/// ztunnel's local xDS: the two pods as HBONE workloads on this node.
-fn local_xds(pods: &[(&str, &str, std::net::Ipv4Addr)]) -> String {
-    let mut out = String::from("workloads:\n");
-    for (name, sa, ip) in pods {
-        out.push_str(&format!(
-            "- uid: Kubernetes//v1/Pod/mesh/{name}\n  name: {name}\n  namespace: mesh\n  \
-             serviceAccount: {sa}\n  trustDomain: cluster.local\n  workloadIps: [\"{ip}\"]\n  \
-             protocol: HBONE\n  node: {NODE}\n  network: \"\"\n  services: {{}}\n"
-        ));
-    }
-    out.push_str("policies: []\nservices: []\n");
-    out
-}
-
 /// The same node with an unmodified ztunnel (`SIDESTEP_ZTUNNEL`): two ambient pods talk through
 /// ztunnel's HBONE (mTLS from its test CA), the server's app sees the client's own address
 /// (ztunnel delivers from it; sidestep's connection mark brings the replies back), and the
@@ -474,10 +460,14 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
     let xds = env.tmp_dir().join("ztunnel-xds.yaml");
     std::fs::write(
         &xds,
-        local_xds(&[
-            ("client", "default", client.ipv4),
-            ("server", "server-sa", server.ipv4),
-        ]),
+        sidestep_tests::istio_ambient::ztunnel_local_xds(
+            "mesh",
+            NODE,
+            &[
+                ("client", "default", client.ipv4),
+                ("server", "server-sa", server.ipv4),
+            ],
+        ),
     )?;
     let uds = n.uds.display().to_string();
     let xds_path = xds.display().to_string();

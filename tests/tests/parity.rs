@@ -34,7 +34,7 @@ mod table;
 #[path = "parity/verdict.rs"]
 mod verdict;
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -112,18 +112,7 @@ fn parity_with_istio_iptables() -> Result<()> {
     names.add(topo.gw6.into(), "GW6");
     let topo = Topology { names, ..topo };
 
-    let wild = |ports: &[u16]| -> Vec<SocketAddr> {
-        let mut v: Vec<SocketAddr> = ports
-            .iter()
-            .map(|p| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), *p))
-            .collect();
-        v.extend(
-            ports
-                .iter()
-                .map(|p| SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), *p)),
-        );
-        v
-    };
+    let wild = sidestep_tests::parity::wildcard;
     let mut listeners = Listeners::default();
     let start_proxy = |listeners: &mut Listeners| {
         listeners.start_transparent(

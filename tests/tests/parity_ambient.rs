@@ -424,18 +424,7 @@ fn parity_with_istio_ambient() -> Result<()> {
         }
     }
 
-    let wild = |ports: &[u16]| -> Vec<SocketAddr> {
-        let mut v: Vec<SocketAddr> = ports
-            .iter()
-            .map(|p| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), *p))
-            .collect();
-        v.extend(
-            ports
-                .iter()
-                .map(|p| SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), *p)),
-        );
-        v
-    };
+    let wild = sidestep_tests::parity::wildcard;
     let mut listeners = Listeners::default();
     // ztunnel's in-pod listeners: root, transparent (it delivers from client addresses).
     let start_ztunnel = |listeners: &mut Listeners| {

@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use super::measure::{WrkResult, parse_wrk};
+use super::measure::{WrkResult, parse_wrk, wrk_args};
 use super::topology::APP_UID;
 use crate::{
     ChildGuard, Node, NodeOptions, Pod, Spawn, TestEnv, istio_ambient::AmbientCapture, nginx,
@@ -158,22 +158,8 @@ impl Mesh<'_> {
 
     fn wrk(&self, close: bool, conns: u32, secs: u32) -> Result<WrkResult> {
         let url = format!("http://{}:{HTTP_PORT}/", self.server.ipv4);
-        let (c, d) = (conns.to_string(), format!("{secs}s"));
-        let mut argv = vec![
-            "wrk",
-            "-t1",
-            "-c",
-            &c,
-            "-d",
-            &d,
-            "--timeout",
-            "5s",
-            "--latency",
-        ];
-        if close {
-            argv.extend(["-H", "Connection: close"]);
-        }
-        argv.push(&url);
+        let args = wrk_args(&url, conns, close, secs);
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = self.client.run_with(
             self.env,
             Spawn::new(&argv).user(APP_UID, APP_UID),
@@ -182,21 +168,6 @@ impl Mesh<'_> {
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         parse_wrk(&text).with_context(|| format!("wrk output:\n{text}"))
     }
-}
-
-/// The ztunnel's local xDS: both pods as HBONE workloads.
-fn local_xds(pods: &[(&str, std::net::Ipv4Addr)]) -> String {
-    let mut out = String::from("workloads:\n");
-    for (name, ip) in pods {
-        out.push_str(&format!(
-            "- uid: Kubernetes//v1/Pod/{NAMESPACE}/{name}\n  name: {name}\n  namespace: \
-             {NAMESPACE}\n  serviceAccount: default\n  trustDomain: cluster.local\n  \
-             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: bench-node\n  network: \"\"\n  \
-             services: {{}}\n"
-        ));
-    }
-    out.push_str("policies: []\nservices: []\n");
-    out
 }
 
 /// Runs `rounds` interleaved rounds (the lane order alternates), each lane running both
@@ -224,7 +195,14 @@ pub fn run(
     let xds = env.tmp_dir().join("bench-ztunnel-xds.yaml");
     std::fs::write(
         &xds,
-        local_xds(&[("client", client.ipv4), ("server", server.ipv4)]),
+        crate::istio_ambient::ztunnel_local_xds(
+            NAMESPACE,
+            "bench-node",
+            &[
+                ("client", "default", client.ipv4),
+                ("server", "default", server.ipv4),
+            ],
+        ),
     )?;
     let uds = env.tmp_dir().join("bench-ztunnel.sock");
     let workload = |p: &Pod| {

@@ -96,26 +96,32 @@ fn run_app(lane: &Lane<'_>, argv: &[&str], secs: u32) -> Result<String> {
     Ok(stdout)
 }
 
-fn wrk(lane: &Lane<'_>, conns: u32, close: bool, secs: u32) -> Result<WrkResult> {
-    let t = lane.target(HTTP_PORT);
-    let u = format!("http://{t}/");
-    let c = conns.to_string();
-    let d = format!("{secs}s");
-    let mut argv = vec![
-        "wrk",
-        "-t1",
-        "-c",
-        &c,
-        "-d",
-        &d,
-        "--timeout",
-        "5s",
-        "--latency",
-    ];
+/// wrk's command line: one thread, `conns` connections for `secs`, latency percentiles, and
+/// `Connection: close` when `close` (one TCP connection per request).
+pub fn wrk_args(url: &str, conns: u32, close: bool, secs: u32) -> Vec<String> {
+    let mut argv: Vec<String> = [
+        "wrk".to_owned(),
+        "-t1".into(),
+        "-c".into(),
+        conns.to_string(),
+        "-d".into(),
+        format!("{secs}s"),
+        "--timeout".into(),
+        "5s".into(),
+        "--latency".into(),
+    ]
+    .into();
     if close {
-        argv.extend(["-H", "Connection: close"]);
+        argv.extend(["-H".to_owned(), "Connection: close".into()]);
     }
-    argv.push(&u);
+    argv.push(url.to_owned());
+    argv
+}
+
+fn wrk(lane: &Lane<'_>, conns: u32, close: bool, secs: u32) -> Result<WrkResult> {
+    let u = format!("http://{}/", lane.target(HTTP_PORT));
+    let args = wrk_args(&u, conns, close, secs);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_app(lane, &argv, secs)?;
     let r = parse_wrk(&out).with_context(|| format!("wrk output:\n{out}"))?;
     if r.requests == 0 {

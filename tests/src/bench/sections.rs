@@ -425,11 +425,19 @@ pub fn ambient_section(a: &AmbientBench, date: &str, machine: &str) -> String {
     );
     let _ = writeln!(
         o,
-        "| workload | lane | rate (/s) | p50 | p99 | socket errors |\n|---|---|---:|---:|---:|---:|"
+        "| workload | lane | rate (/s), median (min–max) | p50 | p99, median (min–max) | socket errors |\n|---|---|---:|---:|---:|---:|"
     );
-    let med = |lane, w, f: fn(&super::measure::WrkResult) -> f64| {
-        let v: Vec<f64> = a.results(lane, w).into_iter().map(f).collect();
-        median(&v)
+    let values = |lane, w, f: fn(&super::measure::WrkResult) -> f64| -> Vec<f64> {
+        a.results(lane, w).into_iter().map(f).collect()
+    };
+    let med = |lane, w, f| median(&values(lane, w, f));
+    let spread = |lane, w, f, unit: &str| {
+        let v = values(lane, w, f);
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        median(&v).map_or("—".into(), |m| {
+            format!("{}{unit} ({}–{})", fmt_num(m), fmt_num(lo), fmt_num(hi))
+        })
     };
     for w in AmbientWorkload::ALL {
         for lane in AmbientLane::ALL {
@@ -439,9 +447,9 @@ pub fn ambient_section(a: &AmbientBench, date: &str, machine: &str) -> String {
                 "| {} | {} | {} | {} | {} | {errors} |",
                 w.label(),
                 lane.label(),
-                med(lane, w, |r| r.rate).map_or("—".into(), fmt_num),
+                spread(lane, w, |r| r.rate, ""),
                 med(lane, w, |r| r.p50_us).map_or("—".into(), |v| format!("{} µs", fmt_num(v))),
-                med(lane, w, |r| r.p99_us).map_or("—".into(), |v| format!("{} µs", fmt_num(v))),
+                spread(lane, w, |r| r.p99_us, " µs"),
             );
         }
         let r = |f| {

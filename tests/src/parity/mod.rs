@@ -310,6 +310,17 @@ impl Listeners {
     }
 }
 
+/// `0.0.0.0:p` and `[::]:p` for each port: a listener group on every address of both families.
+pub fn wildcard(ports: &[u16]) -> Vec<SocketAddr> {
+    let v4 = ports
+        .iter()
+        .map(|p| SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), *p));
+    let v6 = ports
+        .iter()
+        .map(|p| SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), *p));
+    v4.chain(v6).collect()
+}
+
 /// Turns a connect probe's output and what the listeners reported into an [`Outcome`].
 pub fn outcome(names: &Names, client: &Value, accepted: &[Accepted]) -> Result<Outcome> {
     if let Some(errno) = client["errno"].as_i64() {
