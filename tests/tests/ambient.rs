@@ -13,153 +13,22 @@
 //! outside the mesh reaches its peers directly. With sidestep's redirection off, the connections
 //! would reach the peers' addresses (nothing listens there) and the test would fail.
 //!
-//! The second test runs an unmodified ztunnel instead, when `SIDESTEP_ZTUNNEL` names its binary
-//! (built with its `testing` feature, for FAKE_CA): its source comes only from GitHub, which CI
-//! does not reach, so CI skips it (docs/RELIABILITY.md, "Ambient", records the runs).
+//! tests/tests/ambient_ztunnel.rs runs the same node with an unmodified ztunnel.
 //!
 //! Needs root; skips otherwise.
 
 #[path = "agent_support/mod.rs"]
 mod agent_support;
+#[path = "ambient_support/mod.rs"]
+mod ambient_support;
 
 use std::time::Duration;
 
-use agent_support::{Agent, Dirs, PodApi, api_pod, base_args, free_port, wait_until};
+use agent_support::{Agent, api_pod, wait_until};
+use ambient_support::{AmbientNode, NODE, accepted, lines, probe, start_ztunnel, zds_events};
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
-use sidestep_tests::{ChildGuard, PodOptions, Spawn, TestEnv, skip_unless_root};
-
-const NODE: &str = "node-1";
-
-fn probe() -> &'static str {
-    env!("CARGO_BIN_EXE_probe")
-}
-
-/// The test agent's plugin entry, reading pods (and namespaces) from the local API server.
-fn plugin_json(kubeconfig: &std::path::Path) -> String {
-    json!({
-        "type": "sidestep",
-        "pin_root": "__PIN_ROOT__",
-        "state_dir": "__STATE_DIR__",
-        "log_level": "__LOG_LEVEL__",
-        "pod_namespace": "__POD_NAMESPACE__",
-        "pod_source": "api",
-        "kubernetes": {"kubeconfig": kubeconfig.display().to_string(), "pod_read_retries": 5}
-    })
-    .to_string()
-}
-
-/// The stand-in's JSON lines so far.
-fn lines(z: &ChildGuard) -> Vec<Value> {
-    z.stdout()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-fn zds_events(z: &ChildGuard, kind: &str, uid: &str) -> usize {
-    lines(z)
-        .iter()
-        .filter(|l| l["zds"] == kind && l["uid"] == uid)
-        .count()
-}
-
-/// The accepted connections the stand-in reported for `workload` on `listener`.
-fn accepted(z: &ChildGuard, workload: &str, listener: &str) -> Vec<Value> {
-    lines(z)
-        .into_iter()
-        .filter(|l| l["workload"] == workload && l["listener"] == listener)
-        .collect()
-}
-
-fn start_ztunnel(env: &TestEnv, uds: &std::path::Path) -> Result<ChildGuard> {
-    let uds = uds.display().to_string();
-    env.spawn(Spawn::new(&[probe(), "ztunnel", &uds]))
-}
-
-/// A node in ambient mode: the local API with namespace `mesh` labelled ambient and `plain` not,
-/// holding `pods`; the agent with `--ambient` and repair (on, as in a cluster); the node whose
-/// chain the agent completed.
-struct AmbientNode {
-    api: PodApi,
-    agent: Agent,
-    /// The agent's arguments and port, to start it again.
-    args: Vec<String>,
-    port: u16,
-    node: sidestep_tests::Node,
-    /// The agent's ZDS socket.
-    uds: std::path::PathBuf,
-    _dirs: Dirs,
-}
-
-impl AmbientNode {
-    fn start(env: &TestEnv, pods: Vec<Value>) -> Result<Self> {
-        let d = Dirs::new(env)?;
-        let api = PodApi::start(env.tmp_dir(), Vec::new())?;
-        api.set_namespace("mesh", json!({"istio.io/dataplane-mode": "ambient"}));
-        api.set_namespace("plain", json!({}));
-        api.set_namespace("istio-system", json!({}));
-        api.set_namespace("later", json!({}));
-        // Pods exist in the API before their sandboxes, as in a cluster; the plugin reads them
-        // at ADD.
-        for p in pods {
-            api.add(p);
-        }
-        d.write_primary("10-test.conflist")?;
-        let uds = env.tmp_dir().join("ztunnel").join("ztunnel.sock");
-        let port = free_port()?;
-        let mut args = base_args(env, &d, port);
-        args[2] = plugin_json(&api.kubeconfig);
-        args.extend(
-            [
-                "--node-name",
-                NODE,
-                "--api-kubeconfig",
-                &api.kubeconfig.display().to_string(),
-                "--reconcile-interval",
-                "2s",
-                "--ambient",
-                "true",
-                "--ztunnel-socket",
-                &uds.display().to_string(),
-            ]
-            .map(String::from),
-        );
-        let mut agent = Agent::start(env, &args, port)?;
-        agent.wait_ready(Duration::from_secs(30))?;
-        ensure!(
-            d.entry("10-test.conflist")?["ambient_enabled"] == true,
-            "the plugin entry lacks ambient_enabled"
-        );
-        let node = d.node(env, "10-test.conflist")?;
-        Ok(Self {
-            api,
-            agent,
-            args,
-            port,
-            node,
-            uds,
-            _dirs: d,
-        })
-    }
-
-    fn pod(&self, name: &str, ns: &str) -> Result<std::sync::Arc<sidestep_tests::Pod>> {
-        self.node.add_pod_with(
-            name,
-            PodOptions {
-                namespace: ns.into(),
-                ..Default::default()
-            },
-        )
-    }
-
-    fn annotation(&self, ns: &str, name: &str) -> Value {
-        self.api
-            .pod(ns, name)
-            .map(|p| p["metadata"]["annotations"]["ambient.istio.io/redirection"].clone())
-            .unwrap_or(Value::Null)
-    }
-}
+use sidestep_tests::{PodOptions, Spawn, TestEnv, skip_unless_root};
 
 #[test]
 fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
@@ -422,128 +291,6 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
     ensure!(zds_events(&ztunnel, "del", "uid-mesh-server") == 0);
     drop((server, optout, other));
     drop(node);
-    Ok(())
-}
-
-/// The same node with an unmodified ztunnel (`SIDESTEP_ZTUNNEL`): two ambient pods talk through
-/// ztunnel's HBONE (mTLS from its test CA), the server's app sees the client's own address
-/// (ztunnel delivers from it; sidestep's connection mark brings the replies back), and the
-/// client sees the server's address as its peer.
-#[test]
-fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
-    if skip_unless_root("ambient_through_an_unmodified_ztunnel") {
-        return Ok(());
-    }
-    let Some(ztunnel_bin) = std::env::var_os("SIDESTEP_ZTUNNEL") else {
-        eprintln!(
-            "ambient_through_an_unmodified_ztunnel: skipped (set SIDESTEP_ZTUNNEL to a ztunnel \
-             binary built with --features testing)"
-        );
-        return Ok(());
-    };
-    let ztunnel_bin = ztunnel_bin.to_string_lossy().into_owned();
-    let env = TestEnv::new("ambient-zt")?;
-    let mut server_json = api_pod(NODE, "mesh", "server", &[], false);
-    server_json["spec"]["serviceAccountName"] = "server-sa".into();
-    let n = AmbientNode::start(
-        &env,
-        vec![
-            api_pod(NODE, "mesh", "client", &[], false),
-            server_json,
-            api_pod(NODE, "istio-system", "ztunnel", &[], false),
-        ],
-    )?;
-    let client = n.pod("client", "mesh")?;
-    let server = n.pod("server", "mesh")?;
-    // ztunnel's own pod: a netns on the node, not in the mesh.
-    let zpod = n.pod("ztunnel", "istio-system")?;
-    let xds = env.tmp_dir().join("ztunnel-xds.yaml");
-    std::fs::write(
-        &xds,
-        sidestep_tests::istio_ambient::ztunnel_local_xds(
-            "mesh",
-            NODE,
-            &[
-                ("client", "default", client.ipv4),
-                ("server", "server-sa", server.ipv4),
-            ],
-        ),
-    )?;
-    let uds = n.uds.display().to_string();
-    let xds_path = xds.display().to_string();
-    let vars = [
-        ("PROXY_MODE", "shared"),
-        ("INPOD_UDS", uds.as_str()),
-        ("FAKE_CA", "true"),
-        ("XDS_ADDRESS", ""),
-        ("LOCAL_XDS_PATH", xds_path.as_str()),
-        ("NODE_NAME", NODE),
-        ("CLUSTER_ID", "Kubernetes"),
-        ("RUST_LOG", "info"),
-    ];
-    let ztunnel = zpod.spawn(&env, Spawn::new(&[&ztunnel_bin]).env(&vars))?;
-    wait_until("ztunnel to take both pods", Duration::from_secs(30), || {
-        Ok(n.annotation("mesh", "client") == "enabled"
-            && n.annotation("mesh", "server") == "enabled")
-    })
-    .with_context(|| format!("ztunnel:\n{}\nagent:\n{}", ztunnel.stderr(), n.agent.log()))?;
-
-    // The server's app, as an unprivileged user; it answers `probe` and reports the client.
-    let app_addr = format!("{}:8080", server.ipv4);
-    let app = server.spawn(
-        &env,
-        Spawn::new(&[probe(), "proxy", &app_addr, "-", "--no-forward"]).user(1000, 1000),
-    )?;
-    std::thread::sleep(Duration::from_millis(300));
-    let out = client.run_with(
-        &env,
-        Spawn::new(&[
-            probe(),
-            "connect",
-            &app_addr,
-            "--http",
-            "--timeout-ms",
-            "10000",
-        ])
-        .user(1000, 1000),
-        Duration::from_secs(20),
-    )?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let seen: Value = serde_json::from_str(text.trim())
-        .with_context(|| format!("client printed {text:?}\nztunnel:\n{}", ztunnel.stderr()))?;
-    ensure!(
-        seen["status"] == "probe" && seen["peer"] == app_addr.as_str(),
-        "the client got {seen}\nztunnel:\n{}{}",
-        ztunnel.stdout(),
-        ztunnel.stderr()
-    );
-    wait_until("the server app's report", Duration::from_secs(5), || {
-        Ok(!app.stdout().is_empty())
-    })?;
-    let report: Value = serde_json::from_str(app.stdout().lines().next().unwrap_or(""))?;
-    ensure!(
-        report["peer"]
-            .as_str()
-            .is_some_and(|p| p.starts_with(&format!("{}:", client.ipv4))),
-        "the server app saw {report} (want the client's address {})",
-        client.ipv4
-    );
-    // ztunnel's access log: the connection went out through the client's ztunnel and in
-    // through the server's, over HBONE, with both workloads' identities.
-    let hbone = format!("dst.hbone_addr={app_addr}");
-    wait_until("ztunnel's access log", Duration::from_secs(5), || {
-        let log = ztunnel.stdout();
-        Ok(["outbound", "inbound"].iter().all(|dir| {
-            log.lines().any(|l| {
-                l.contains("connection complete")
-                    && l.contains(&hbone)
-                    && l.contains("src.identity=\"spiffe://cluster.local/ns/mesh/sa/default\"")
-                    && l.contains("dst.identity=\"spiffe://cluster.local/ns/mesh/sa/server-sa\"")
-                    && l.contains(&format!("direction=\"{dir}\""))
-            })
-        }))
-    })
-    .with_context(|| ztunnel.stdout())?;
     Ok(())
 }
 
