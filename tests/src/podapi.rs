@@ -256,7 +256,7 @@ fn serve(shared: &Shared, stream: TcpStream) {
         |p: &Value| !is_namespace(p) && node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n);
     let mut out = stream;
     let watching = matches!(query_value(&query, "watch"), Some("true" | "1"));
-    if path == "/api/v1/namespaces" && watching {
+    if watching && (path == "/api/v1/namespaces" || path == "/api/v1/pods") {
         let from: u64 = query_value(&query, "resourceVersion")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
@@ -264,25 +264,12 @@ fn serve(shared: &Shared, stream: TcpStream) {
         let timeout = query_value(&query, "timeoutSeconds")
             .and_then(|v| v.parse().ok())
             .map_or(Duration::from_secs(300), Duration::from_secs);
-        watch(
-            shared,
-            out,
-            from,
-            bookmarks,
-            timeout,
-            ("Namespace", &is_namespace),
-        );
-        return;
-    }
-    if path == "/api/v1/pods" && watching {
-        let from: u64 = query_value(&query, "resourceVersion")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let bookmarks = query_value(&query, "allowWatchBookmarks") == Some("true");
-        let timeout = query_value(&query, "timeoutSeconds")
-            .and_then(|v| v.parse().ok())
-            .map_or(Duration::from_secs(300), Duration::from_secs);
-        watch(shared, out, from, bookmarks, timeout, ("Pod", &on_node));
+        let kind: (&str, &dyn Fn(&Value) -> bool) = if path == "/api/v1/namespaces" {
+            ("Namespace", &is_namespace)
+        } else {
+            ("Pod", &on_node)
+        };
+        watch(shared, out, from, bookmarks, timeout, kind);
         return;
     }
     let (status, body) = if let Some(name) = path.strip_prefix("/api/v1/nodes/") {

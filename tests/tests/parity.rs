@@ -72,13 +72,7 @@ fn parity_with_istio_iptables() -> Result<()> {
         return Ok(());
     }
     let started = Instant::now();
-    // Where conntrack is a module, load it up front: whether it is loaded changes the kernel's
-    // SO_ORIGINAL_DST errno (ENOPROTOOPT without it), and the oracle would load it half-way.
-    if std::path::Path::new("/proc/modules").exists() {
-        let _ = std::process::Command::new("modprobe")
-            .arg("nf_conntrack")
-            .status();
-    }
+    sidestep_tests::parity::load_conntrack();
     let env = TestEnv::new("parity")?;
     let node = Node::new(&env, NodeOptions::dual_stack())?;
     let s = node.add_pod("subject")?;

@@ -382,11 +382,7 @@ fn parity_with_istio_ambient() -> Result<()> {
         return Ok(());
     }
     let started = Instant::now();
-    if std::path::Path::new("/proc/modules").exists() {
-        let _ = std::process::Command::new("modprobe")
-            .arg("nf_conntrack")
-            .status();
-    }
+    sidestep_tests::parity::load_conntrack();
     let env = TestEnv::new("parity-ambient")?;
     let node = Node::new(&env, NodeOptions::dual_stack())?;
     let s = node.add_pod("subject")?;

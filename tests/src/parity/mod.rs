@@ -310,6 +310,14 @@ impl Listeners {
     }
 }
 
+/// Loads conntrack up front where it is a module: whether it is loaded changes the kernel's
+/// SO_ORIGINAL_DST errno (ENOPROTOOPT without it), and an oracle's rules would load it half-way.
+pub fn load_conntrack() {
+    if std::path::Path::new("/proc/modules").exists() {
+        let _ = Command::new("modprobe").arg("nf_conntrack").status();
+    }
+}
+
 /// `0.0.0.0:p` and `[::]:p` for each port: a listener group on every address of both families.
 pub fn wildcard(ports: &[u16]) -> Vec<SocketAddr> {
     let v4 = ports
