@@ -28,6 +28,7 @@ pub mod faults;
 pub mod haproxy;
 pub mod istio_ambient;
 pub mod istio_iptables;
+pub mod istio_nftables;
 pub mod net;
 pub mod netns;
 pub mod nginx;

@@ -40,7 +40,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail, ensure};
 use sidestep_tests::{
     ChildGuard, Node, NodeOptions, Pod, Spawn, TestEnv,
-    parity::{Listeners, Names, Oracle, print_uncaptured, render_table},
+    parity::{Listeners, Names, NftRules, Oracle, print_uncaptured, render_table},
     sidestep::Loaded,
     skip_unless_root,
 };
@@ -241,6 +241,35 @@ fn parity_with_istio_iptables() -> Result<()> {
     );
     let oracle_time = t.elapsed();
 
+    // Istio's native nftables mode (1.27+), on the default annotations: Istio's two rulesets
+    // must agree, so that the table above speaks for both.
+    let defaults: Vec<usize> = (0..all.len())
+        .filter(|i| all[*i].set == Set::Defaults)
+        .collect();
+    let default_rows: Vec<_> = defaults.iter().map(|i| all[*i].clone()).collect();
+    let mut nft = NftRules::new(&s);
+    let nft_outcomes = collect(
+        &env,
+        &topo,
+        &mut listeners,
+        &default_rows,
+        |set, _| {
+            if set == Set::Defaults {
+                nft.apply(&sidestep_tests::istio_nftables::default_sidecar(true))
+            } else {
+                Ok(())
+            }
+        },
+        |_| Ok(()),
+    )?;
+    nft.clear()?;
+    let nft_differs: Vec<String> = defaults
+        .iter()
+        .zip(&nft_outcomes)
+        .filter(|(i, o)| oracle[**i] != **o)
+        .map(|(i, o)| format!("#{}: iptables {} / nftables {o}", i + 1, oracle[*i]))
+        .collect();
+
     // The table: one sidestep column per inbound hook, each judged against the oracle.
     let mut rows = Vec::new();
     let mut counts = [[0usize; 4]; HOOKS.len()];
@@ -317,8 +346,14 @@ fn parity_with_istio_iptables() -> Result<()> {
         "(G) = equal once sidestep's SO_ORIGINAL_DST answer is applied: ENOENT for any socket in \
          the pod it did not redirect, where the kernel under Istio's rules answers the socket's \
          own address (conntrack, no NAT) or EOPNOTSUPP (SOL_IPV6 on an AF_INET socket)\n\
-         time: setup {:.1?}, sidestep (both hooks) {:.1?}, oracle {:.1?}\n",
-        setup, sidestep_time, oracle_time
+         time: setup {:.1?}, sidestep (both hooks) {:.1?}, oracle {:.1?}\n\
+         Istio's native nftables ruleset, default annotations: {} of {} scenarios as its iptables \
+         ruleset\n",
+        setup,
+        sidestep_time,
+        oracle_time,
+        defaults.len() - nft_differs.len(),
+        defaults.len()
     ));
     print_uncaptured(&text);
 
@@ -332,6 +367,10 @@ fn parity_with_istio_iptables() -> Result<()> {
         ensure!(!path.exists(), "netns {} left behind", path.display());
     }
     ensure!(all.len() >= 60, "only {} scenarios", all.len());
+    ensure!(
+        nft_differs.is_empty(),
+        "Istio's nftables ruleset differs from its iptables ruleset: {nft_differs:?}"
+    );
     ensure!(
         failures.is_empty(),
         "scenarios {failures:?} differ (see the table)"

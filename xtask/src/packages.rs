@@ -11,6 +11,9 @@ const PACKAGES: &[&str] = &[
     "iproute2",
     "bpftool",
     "iptables",
+    // `nft`, for Istio's native nftables ruleset (the parity test's second oracle, the CNI
+    // benchmark's install lane).
+    "nftables",
     "containernetworking-plugins",
     "podman",
     // The pause process of `podman pod create`'s locally built infra image; only a Recommends.

@@ -93,6 +93,10 @@ pub struct CniBench {
     pub nft_ms: Vec<f64>,
     /// The same with the legacy back end.
     pub legacy_ms: Vec<f64>,
+    /// Milliseconds per install of Istio's native nftables ruleset (`nft -f`, one inet table:
+    /// `global.nativeNftables`, 1.27+), and the same plus the GET.
+    pub native_nft_ms: Vec<f64>,
+    pub native_nft_get_ms: Vec<f64>,
     /// Milliseconds per `sidestep-cni` VERSION: the plugin's process start-up floor.
     pub version_ms: Vec<f64>,
     /// Rule lines (v4, v6) of the installed ruleset.
@@ -435,7 +439,8 @@ fn restore_pair(netns: &Path, variant: &str, v4: &[u8], v6: &[u8]) -> Result<Dur
 }
 
 /// `runs` timed runs of each of ADD+DEL (default sk_lookup hook), ADD+DEL (tc hook), ADD+DEL
-/// with the Pod from the API, nft install and legacy install (each install after the API GET),
+/// with the Pod from the API, nft install, legacy install and Istio's native nftables install
+/// (each install after the API GET),
 /// after two untimed warm-up rounds, rotating their order every round. One other pod stays
 /// enrolled throughout.
 pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
@@ -445,6 +450,7 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     };
     let v4 = istio.iptables_restore_v4();
     let v6 = istio.iptables_restore_v6();
+    let native_nft = crate::istio_nftables::default_sidecar(true);
     let lines = |s: &str| s.lines().filter(|l| !l.trim().is_empty()).count();
     let state_dir = env.tmp_dir().join("cni-state");
     std::fs::create_dir_all(&state_dir)?;
@@ -483,11 +489,11 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     let mut n = 0;
     for round in 0..runs + warmup {
         let timed_round = round >= warmup;
-        for k in 0..5 {
+        for k in 0..6 {
             n += 1;
             let ns = FreshNetns::new(env, "cni", n, cidr)?;
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            match (round + k) % 5 {
+            match (round + k) % 6 {
                 lane @ (0 | 3 | 4) => {
                     let cid = container_id("cni", n);
                     let pod = if lane == 4 {
@@ -515,6 +521,16 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
                         };
                         adds.push(ms(add));
                         dels.push(ms(del));
+                    }
+                }
+                5 => {
+                    let get = get_once(api.addr, api_path)?;
+                    let mut c = Command::new("nft");
+                    c.args(["-f", "-"]);
+                    let (d, _) = timed(c, native_nft.as_bytes(), Some(&ns.path))?;
+                    if timed_round {
+                        res.native_nft_ms.push(ms(d));
+                        res.native_nft_get_ms.push(ms(d + get));
                     }
                 }
                 lane => {
@@ -580,11 +596,12 @@ pub fn run(env: &TestEnv, pin_root: &Path, runs: usize) -> Result<CniBench> {
     drop(resident);
     drop(resident_ns);
     eprintln!(
-        "bench: cni: {} ADD/DEL ({} with the API GET), {} nft and {} legacy installs",
+        "bench: cni: {} ADD/DEL ({} with the API GET), {} nft, {} legacy and {} native nftables installs",
         res.add_ms.len(),
         res.add_api_ms.len(),
         res.nft_ms.len(),
-        res.legacy_ms.len()
+        res.legacy_ms.len(),
+        res.native_nft_ms.len()
     );
     Ok(res)
 }

@@ -122,7 +122,9 @@ pub fn cni_section(c: &CniBench, date: &str) -> String {
          annotations a Kubernetes runtime gives it, so no API call), the same with \
          `pod_source: api` (no annotations: the plugin GETs the Pod, as istio-cni does), and \
          Istio's default ruleset ({} v4 + {} v6 rule lines) installed with `iptables-restore` \
-         then `ip6tables-restore` through each back end, each install after a GET of the same \
+         then `ip6tables-restore` through each back end, and Istio's native nftables ruleset \
+         (`global.nativeNftables`, 1.27+: one `inet` table with the same rules, \
+         tests/src/istio_nftables.rs) with one `nft -f`, each install after a GET of the same \
          Pod. Every run gets a fresh netns (lo and a veth `eth0` with an \
          address), made outside the timed part for all sides. Plugin state dir on {} (its \
          default, /var/run, is a tmpfs on most nodes; this machine's is not). One \
@@ -165,9 +167,17 @@ pub fn cni_section(c: &CniBench, date: &str) -> String {
             "Istio install, iptables-legacy-restore + ip6tables-legacy-restore",
             &c.legacy_ms,
         ),
+        (
+            "Istio install, native nftables (`nft -f`, one inet table)",
+            &c.native_nft_ms,
+        ),
         ("GET of the Pod (in-process, fresh connection)", &c.get_ms),
         ("Istio install (nft) + the GET", &c.nft_get_ms),
         ("Istio install (legacy) + the GET", &c.legacy_get_ms),
+        (
+            "Istio install (native nftables) + the GET",
+            &c.native_nft_get_ms,
+        ),
         (
             "sidestep-cni VERSION (process start-up floor)",
             &c.version_ms,
@@ -200,6 +210,19 @@ pub fn cni_section(c: &CniBench, date: &str) -> String {
         ratio(tc_add, best),
         verdict_at_most(tc_ratio, 0.5),
     );
+    if !c.native_nft_ms.is_empty() {
+        let native = p(&c.native_nft_ms, 50.0);
+        let _ = writeln!(
+            o,
+            "Against Istio's native nftables install (sidecar mode's `nft` backend, 1.27+): ADD \
+             p50 {} vs {} = {} with `inbound_hook: sk_lookup`, {} = {} with `tc`.\n",
+            ms(add),
+            ms(native),
+            ratio(add, native),
+            ms(tc_add),
+            ratio(tc_add, native),
+        );
+    }
     if !c.add_api_ms.is_empty() {
         let api = p(&c.add_api_ms, 50.0);
         let with_get = match (p(&c.nft_get_ms, 50.0), p(&c.legacy_get_ms, 50.0)) {

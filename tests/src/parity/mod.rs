@@ -506,6 +506,74 @@ impl Drop for Oracle {
     }
 }
 
+/// Istio's native nftables ruleset in a pod's netns (`nft -f`, with the `::6` address its
+/// sidecar mode adds as the iptables mode does), removed again on [`NftRules::clear`] and drop.
+pub struct NftRules {
+    netns_name: String,
+    applied: bool,
+}
+
+impl NftRules {
+    pub fn new(pod: &Pod) -> Self {
+        Self {
+            netns_name: pod.netns_name.clone(),
+            applied: false,
+        }
+    }
+
+    fn nft(&self, input: &str) -> Result<()> {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.netns_name, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("running nft")?;
+        child
+            .stdin
+            .take()
+            .context("stdin")?
+            .write_all(input.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "nft -f failed: {}\ninput:\n{input}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    pub fn apply(&mut self, ruleset: &str) -> Result<()> {
+        self.nft(ruleset)?;
+        self.applied = true;
+        let _ = Command::new("ip")
+            .args(["netns", "exec", &self.netns_name])
+            .args(["ip", "-6", "addr", "add", "::6/128", "dev", "lo"])
+            .output();
+        Ok(())
+    }
+
+    pub fn clear(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.applied) {
+            self.nft(&crate::istio_nftables::delete())?;
+            let _ = Command::new("ip")
+                .args(["netns", "exec", &self.netns_name])
+                .args(["ip", "-6", "addr", "del", "::6/128", "dev", "lo"])
+                .output();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NftRules {
+    fn drop(&mut self) {
+        if let Err(e) = self.clear() {
+            eprintln!("sidestep-tests: {e:#}");
+        }
+    }
+}
+
 /// Writes `text` to the process's stdout directly, past the test harness's capture, so the
 /// table shows up in every test run's output.
 pub fn print_uncaptured(text: &str) {

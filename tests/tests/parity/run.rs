@@ -218,6 +218,7 @@ pub(super) fn sidestep_flags(
 }
 
 /// One expanded scenario.
+#[derive(Clone)]
 pub(super) struct Scenario {
     pub(super) set: Set,
     pub(super) from: Src,
