@@ -47,6 +47,8 @@ pub enum Mode {
     Explicit,
     /// Istio's default REDIRECT ruleset (iptables-legacy) in both pods, both sidecars.
     Iptables,
+    /// The same ruleset through Istio's native nftables mode (`nft -f`, one inet table; 1.27+).
+    Nftables,
     /// Both pods enrolled in sidestep with its default inbound hook (sk_lookup), both sidecars.
     Sidestep,
     /// As sidestep, with the tc inbound hook (what a pod whose proxy listened before its
@@ -57,11 +59,12 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
     pub const ALL: [Mode; Mode::COUNT] = [
         Mode::Direct,
         Mode::Explicit,
         Mode::Iptables,
+        Mode::Nftables,
         Mode::Sidestep,
         Mode::SidestepTc,
         Mode::SkMsg,
@@ -72,9 +75,10 @@ impl Mode {
             Mode::Direct => 0,
             Mode::Explicit => 1,
             Mode::Iptables => 2,
-            Mode::Sidestep => 3,
-            Mode::SidestepTc => 4,
-            Mode::SkMsg => 5,
+            Mode::Nftables => 3,
+            Mode::Sidestep => 4,
+            Mode::SidestepTc => 5,
+            Mode::SkMsg => 6,
         }
     }
 
@@ -83,6 +87,7 @@ impl Mode {
             Mode::Direct => "direct",
             Mode::Explicit => "explicit proxy",
             Mode::Iptables => "iptables",
+            Mode::Nftables => "Istio nftables",
             Mode::Sidestep => "sidestep",
             Mode::SidestepTc => "sidestep, tc hook",
             Mode::SkMsg => "sidestep + sk_msg",
@@ -95,6 +100,7 @@ impl Mode {
             Mode::Direct => "direct",
             Mode::Explicit => "explicit",
             Mode::Iptables => "iptables",
+            Mode::Nftables => "nftables",
             Mode::Sidestep => "sidestep",
             Mode::SidestepTc => "sidesteptc",
             Mode::SkMsg => "skmsg",

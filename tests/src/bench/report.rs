@@ -223,6 +223,13 @@ impl Report {
                 fmt_ratio(ratio(m.median(Mode::Sidestep), m.median(Mode::Iptables)))
             ));
         }
+        if let (Some(nc), Some(ka)) = (self.metric("nc_cps"), self.metric("ka_rps")) {
+            parts.push(format!(
+                "against Istio's native nftables mode, {} the connections/s and {} the keep-alive requests/s",
+                fmt_ratio(ratio(nc.median(Mode::Sidestep), nc.median(Mode::Nftables))),
+                fmt_ratio(ratio(ka.median(Mode::Sidestep), ka.median(Mode::Nftables)))
+            ));
+        }
         if let Some(c) = &self.cni
             && let (_, _, Some(r)) = super::sections::cni_add_target(c, &c.add_ms)
         {

@@ -162,6 +162,15 @@ impl<'e> Topology<'e> {
                         .with_context(|| format!("istio rules in pod {}", pod.name))?;
                 }
             }
+            Mode::Nftables => {
+                let ruleset = crate::istio_nftables::default_sidecar(false);
+                for pod in [&client, &server] {
+                    let mut c = Command::new("nft");
+                    c.args(["-f", "-"]);
+                    super::cni::timed(c, ruleset.as_bytes(), Some(&pod.netns_path))
+                        .with_context(|| format!("istio nftables in pod {}", pod.name))?;
+                }
+            }
             // Enrolled before anything listens in the pods, so the default hook is sk_lookup, as
             // for a pod the CNI plugin enrols.
             Mode::Sidestep => {

@@ -15,7 +15,7 @@ impl Report {
         const LABEL_W: f64 = 150.0;
         const BAR_W: f64 = 195.0;
         let colors: [&str; Mode::COUNT] = [
-            "#8c8c8c", "#4c78a8", "#e45756", "#54a24b", "#88d27a", "#b279a2",
+            "#8c8c8c", "#4c78a8", "#e45756", "#f58518", "#54a24b", "#88d27a", "#b279a2",
         ];
 
         struct Panel {
