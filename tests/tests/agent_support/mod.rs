@@ -116,7 +116,27 @@ pub fn meshed() -> PodOptions {
     }
 }
 
+/// A port free now for an agent to listen on, below the kernel's ephemeral range: a port from
+/// that range (what binding port 0 gives) can be taken by any outgoing connection of the
+/// machine between this check and the agent's bind (CI saw `Address already in use` so). The
+/// scan starts at a place of its own per process and call, so concurrent tests rarely try the
+/// same ports.
 pub fn free_port() -> Result<u16> {
+    static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let ephemeral_low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    const LOW: u32 = 20000;
+    let span = ephemeral_low.saturating_sub(LOW).max(1000);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let start = (std::process::id() * 7919 + call * 104_729) % span;
+    for i in 0..span {
+        let port = (LOW + (start + i) % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
