@@ -312,7 +312,7 @@ impl Report {
         let _ = writeln!(o, "## Modes\n");
         let _ = writeln!(
             o,
-            "Every mode has its own client pod and server pod on one Linux bridge, made by the real CNI plugins (bridge, host-local, loopback); all of them are set up once and measured in the same run. The server pod runs nginx (:80), `sockperf server` (:11111) and `iperf3 -s` (:5201). Sidecars are HAProxy in `mode tcp`, one thread, as UID 1337, with the same configuration in modes 2-6 (tests/src/bench/haproxy_cfg.rs).\n"
+            "Every mode has its own client pod and server pod on one Linux bridge, made by the real CNI plugins (bridge, host-local, loopback); all of them are set up once and measured in the same run. The server pod runs nginx (:80), `sockperf server` (:11111) and `iperf3 -s` (:5201). Sidecars are HAProxy in `mode tcp`, one thread, as UID 1337, with the same configuration in modes 2-7 (tests/src/bench/haproxy_cfg.rs).\n"
         );
         let _ = writeln!(
             o,
@@ -328,12 +328,16 @@ impl Report {
         );
         let _ = writeln!(
             o,
-            "4. **sidestep**: both pods enrolled with Istio's defaults (`sidestep enroll`, before anything listens in them, so with the default inbound hook, as a pod the CNI plugin enrols), both sidecars. Outbound by cgroup connect4 to 15001; inbound to 15006 by the kernel's listener lookup, steered by the pod's `sk_lookup` program (docs/ARCHITECTURE.md). sidestep's programs are attached to the sidestep lanes' cgroup only; the other lanes run in a cgroup with no BPF program attached."
+            "4. **Istio nftables**: the same ruleset through Istio's native nftables mode (`global.nativeNftables`, sidecar mode since 1.27): one `inet` table loaded with `nft -f` (tests/src/istio_nftables.rs, checked against the iptables ruleset by the parity test) in both pods, both sidecars."
         );
         let _ = writeln!(
             o,
-            "5. **sidestep, tc hook**: as sidestep, enrolled `--inbound-hook tc` (what a pod whose proxy listened before its enrolment gets): inbound by tc ingress `bpf_sk_assign` on every captured interface, a program run on every packet the pod receives.
-6. **sidestep + sk_msg**: as sidestep, with both pods enrolled `--sk-msg`: app <-> sidecar bytes on loopback go socket to socket (sockhash + `bpf_msg_redirect_hash`), skipping the loopback TCP/IP path. Sidecar <-> sidecar traffic crosses the bridge as usual.\n"
+            "5. **sidestep**: both pods enrolled with Istio's defaults (`sidestep enroll`, before anything listens in them, so with the default inbound hook, as a pod the CNI plugin enrols), both sidecars. Outbound by cgroup connect4 to 15001; inbound to 15006 by the kernel's listener lookup, steered by the pod's `sk_lookup` program (docs/ARCHITECTURE.md). sidestep's programs are attached to the sidestep lanes' cgroup only; the other lanes run in a cgroup with no BPF program attached."
+        );
+        let _ = writeln!(
+            o,
+            "6. **sidestep, tc hook**: as sidestep, enrolled `--inbound-hook tc` (what a pod whose proxy listened before its enrolment gets): inbound by tc ingress `bpf_sk_assign` on every captured interface, a program run on every packet the pod receives.
+7. **sidestep + sk_msg**: as sidestep, with both pods enrolled `--sk-msg`: app <-> sidecar bytes on loopback go socket to socket (sockhash + `bpf_msg_redirect_hash`), skipping the loopback TCP/IP path. Sidecar <-> sidecar traffic crosses the bridge as usual.\n"
         );
 
         // Results.
