@@ -107,7 +107,9 @@ pub fn attach_here(
                     slot.attach_type,
                     TcAttachOptions::TcxOrder(aya::programs::LinkOrder::default()),
                 )
-                .map_err(|e| io::Error::other(format!("attach tc to {interface}: {e}")))?;
+                .map_err(|e| {
+                    io::Error::other(format!("attach tc to {interface}: {}", with_sources(&e)))
+                })?;
             let link = prog.take_link(id).map_err(io::Error::other)?;
             let fd_link = FdLink::try_from(link).map_err(io::Error::other)?;
             fd_link
@@ -177,6 +179,18 @@ pub fn is_link_pin(pin: &Path) -> bool {
 
 /// Detaches what `pin` records, from inside the interface's netns (the calling thread's), and
 /// removes the pin. A filter's clsact qdisc goes too once no filter of anyone is left on it.
+/// An error with its sources: aya's syscall errors keep the errno in their source, which their
+/// own message leaves out (`` `bpf_mprog_attach` failed ``).
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
+}
+
 pub fn detach_here(pin: &Path, interface: &str, slot: Slot) {
     match sys::obj_get(pin) {
         Ok(fd) if sys::fd_kind(fd.as_fd()) == Some(sys::BpfFdKind::Link) => {
