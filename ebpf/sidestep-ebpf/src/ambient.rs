@@ -8,7 +8,7 @@
 use sidestep_abi::{PodPolicy, ambient, flags, is_v4_mapped, linux, redirect_kind, rule};
 
 use crate::policy::{
-    Connect, Verdict, is_host_loopback, is_loopback, is_passthrough_source, is_pod_address,
+    Connect, Verdict, is_host_loopback, is_local_destination, is_loopback, is_pod_address,
     is_unspecified,
 };
 
@@ -70,11 +70,7 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     }
     let ztunnel = is_ztunnel(c);
     let host_loopback = is_host_loopback(&c.dst);
-    // `-o lo`: the destination is on the pod itself (::6 is on lo too once enrolment added it).
-    let local_dst = is_loopback(&c.dst)
-        || is_unspecified(&c.dst)
-        || (!is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst))
-        || is_pod_address(c.netns_cookie, &c.dst);
+    let local_dst = is_local_destination(c);
     let dns = p.flags & flags::DNS_CAPTURE != 0 && c.dst_port == 53 && !ztunnel;
     let to_dns = |rule| Verdict::redirect(p.dns_port, redirect_kind::DNS, rule);
     // 2. ! -o lo -p udp --dport 53, not ztunnel's: to ztunnel's DNS proxy.

@@ -146,6 +146,16 @@ pub fn is_passthrough_source(addr: &[u32; 4]) -> bool {
     }
 }
 
+/// `-o lo`: the destination is on the pod itself. ::6, the IPv6 inbound passthrough source
+/// enrolment adds to lo, is routed over lo although it is not loopback.
+#[inline(always)]
+pub fn is_local_destination(c: &Connect) -> bool {
+    is_loopback(&c.dst)
+        || is_unspecified(&c.dst)
+        || (!is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst))
+        || is_pod_address(c.netns_cookie, &c.dst)
+}
+
 /// Where a connect goes. A plain struct rather than an enum: every field is always initialised,
 /// so LLVM cannot read a payload register on the pass path, which the verifier rejects.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -236,13 +246,8 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     {
         return Verdict::pass(rule::OUT_EXCLUDED_PORT);
     }
-    // `-o lo`: the destination is on the pod itself. ::6, the IPv6 inbound passthrough source
-    // enrolment adds to lo, is routed over lo although it is not loopback; Istio's validation
-    // dials it ([::6]:15002) and needs the hairpin.
-    let local_dst = is_loopback(&c.dst)
-        || is_unspecified(&c.dst)
-        || (!is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst))
-        || is_pod_address(c.netns_cookie, &c.dst);
+    // Istio's validation dials ::6 ([::6]:15002) and needs the hairpin, hence its place here.
+    let local_dst = is_local_destination(c);
     // `-o <nic> -j RETURN` for each excluded interface, inserted ahead of ISTIO_OUTPUT. Only
     // passes follow, so testing it after rule 1 changes no outcome. A destination on the pod
     // leaves through lo, never through an excluded interface.

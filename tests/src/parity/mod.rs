@@ -386,26 +386,7 @@ impl Oracle {
             self.touched.insert((v6, table.trim().to_owned()));
         }
         let tool = RESTORE[usize::from(v6)];
-        let mut child = self
-            .in_netns(&[tool, "--noflush"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {tool}"))?;
-        child
-            .stdin
-            .take()
-            .context("stdin")?
-            .write_all(input.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "{tool} failed: {}\ninput:\n{input}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
+        feed(self.in_netns(&[tool, "--noflush"]), tool, input)
     }
 
     /// Installs the ruleset of `cap` (after removing the previous one).
@@ -506,6 +487,29 @@ impl Drop for Oracle {
     }
 }
 
+/// Runs `c` with `input` on its stdin; fails naming `what` and the input unless it succeeds.
+fn feed(mut c: Command, what: &str, input: &str) -> Result<()> {
+    let mut child = c
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {what}"))?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(input.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed: {}\ninput:\n{input}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
 /// Istio's native nftables ruleset in a pod's netns (`nft -f`, with the `::6` address its
 /// sidecar mode adds as the iptables mode does), removed again on [`NftRules::clear`] and drop.
 pub struct NftRules {
@@ -522,26 +526,9 @@ impl NftRules {
     }
 
     fn nft(&self, input: &str) -> Result<()> {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.netns_name, "nft", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running nft")?;
-        child
-            .stdin
-            .take()
-            .context("stdin")?
-            .write_all(input.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "nft -f failed: {}\ninput:\n{input}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.netns_name, "nft", "-f", "-"]);
+        feed(c, "nft -f", input)
     }
 
     pub fn apply(&mut self, ruleset: &str) -> Result<()> {
