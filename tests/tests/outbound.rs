@@ -409,3 +409,103 @@ fn map_ids(pin_root: &std::path::Path) -> Result<Vec<u64>> {
 fn libc_eopnotsupp() -> i64 {
     95
 }
+
+/// The proxy's SO_ORIGINAL_DST outlives the app's socket, as a conntrack entry does: a proxy slow
+/// to accept still learns where an app that has already closed was going. It does not outlive
+/// the 4-tuple: the app calling the proxy's port itself from the same source port afterwards
+/// gets netfilter's ENOENT, not the earlier connection's destination.
+#[test]
+fn original_destination_outlives_the_client_but_not_its_tuple() -> Result<()> {
+    if skip_unless_root("original_destination_outlives_the_client_but_not_its_tuple") {
+        return Ok(());
+    }
+    let env = TestEnv::new("origlife")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let client = node.add_pod("client")?;
+    let server = node.add_pod("server")?;
+    let loaded = Loaded::load(&env)?;
+    loaded.enroll(&client, &[])?;
+    let accept_after = Duration::from_millis(1500);
+    let ms = accept_after.as_millis().to_string();
+    let argv = [
+        probe(),
+        "proxy",
+        "127.0.0.1:15001",
+        "-",
+        "--no-forward",
+        "--accept-after-ms",
+        &ms,
+    ];
+    let proxy = client.spawn(&env, Spawn::new(&argv).user(PROXY_UID, PROXY_UID))?;
+    std::thread::sleep(Duration::from_millis(300));
+
+    // Connects, reads its peer and closes while the proxy has not accepted yet.
+    let target = SocketAddr::new(server.ipv4.into(), 80);
+    let out = client.run(&env, APP_UID, &[probe(), "connect", &target.to_string()])?;
+    let seen: Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(seen["peer"] == target.to_string(), "{seen}");
+    let first = proxy_lines(&proxy, 1, accept_after * 4)?;
+    ensure!(
+        first[0]["orig_v4"]["addr"] == target.to_string(),
+        "the proxy accepted after the app closed and lost its destination: {}",
+        first[0]
+    );
+
+    // The same source port, redirected, then straight to the proxy's port.
+    let source = "0.0.0.0:47123";
+    let sock = |to: &str| -> Result<Value> {
+        let argv = [
+            probe(),
+            "connect-sock",
+            to,
+            "--bind",
+            source,
+            "--reuseaddr",
+            "--linger0",
+            "--read",
+        ];
+        let out = client.run(&env, APP_UID, &argv)?;
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let redirected = sock(&target.to_string())?;
+    ensure!(redirected["local"] == "127.0.0.1:47123", "{redirected}");
+    let direct = sock("127.0.0.1:15001")?;
+    ensure!(direct["local"] == "127.0.0.1:47123", "{direct}");
+    let lines = proxy_lines(&proxy, 3, Duration::from_secs(5))?;
+    ensure!(
+        lines[1]["peer"] == "127.0.0.1:47123" && lines[1]["orig_v4"]["addr"] == target.to_string(),
+        "{}",
+        lines[1]
+    );
+    ensure!(
+        lines[2]["peer"] == "127.0.0.1:47123" && lines[2]["orig_v4"]["errno"] == 2,
+        "a direct connection on a redirected connection's 4-tuple got its destination: {}",
+        lines[2]
+    );
+    Ok(())
+}
+
+/// The first `n` report lines of a `probe proxy` writing to stdout, waiting up to `within`.
+fn proxy_lines(
+    proxy: &sidestep_tests::process::ChildGuard,
+    n: usize,
+    within: Duration,
+) -> Result<Vec<Value>> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let text = proxy.stdout();
+        let lines: Vec<&str> = text.lines().collect();
+        if lines.len() >= n {
+            return lines[..n]
+                .iter()
+                .map(|l| serde_json::from_str(l).with_context(|| format!("proxy printed {l:?}")))
+                .collect();
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the proxy reported {} of {n} connections: {text:?}",
+            lines.len()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -38,6 +38,10 @@ enum Command {
         /// Capacity of the pod map (only when the maps are first created).
         #[arg(long)]
         pod_capacity: Option<u32>,
+        /// Load this BPF object instead of the embedded one (measuring a program change
+        /// without rebuilding sidestep).
+        #[arg(long, env = "SIDESTEP_BPF_OBJECT_FILE", hide = true)]
+        bpf_object: Option<PathBuf>,
     },
     /// Detach every program and remove every pin.
     Unload {
@@ -266,16 +270,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cgroup,
             pin_root,
             pod_capacity,
+            bpf_object,
         } => {
             let cgroup = match cgroup {
                 Some(c) => c,
                 None => sidestep::mounts::node_cgroup2_root()?,
             };
+            let object = bpf_object
+                .map(|p| std::fs::read(&p).with_context(|| format!("--bpf-object {}", p.display())))
+                .transpose()?;
             let outcome = loader::load(&loader::LoadOptions {
                 cgroup: cgroup.clone(),
                 pin_root: pin_root.clone(),
                 pod_capacity,
-                object: None,
+                object,
             })?;
             println!(
                 "sidestep {}: attached at {}, pinned under {}",

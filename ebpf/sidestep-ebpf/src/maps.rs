@@ -29,14 +29,15 @@ pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize 
 pub static SIDESTEP_STATS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =
     PerCpuHashMap::new();
 
-/// The original destination of a redirected socket, on both the app's and the proxy's end.
-/// Socket-local storage: the kernel frees it with the socket, so it cannot leak.
+/// The original destination of a redirected socket, on the app's end (the proxy's end reads
+/// `SIDESTEP_PEND`). Socket-local storage: the kernel frees it with the socket, so it cannot leak.
 #[btf_map]
 pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 
-/// Hand-over from the redirected connect to the proxy's accepted socket, keyed by the 4-tuple both
-/// ends share. An entry lives from the client's SYN until the proxy's socket is established or the
-/// client socket closes; LRU bounds it when neither happens.
+/// Hand-over from the redirected connect (or inbound capture) to the proxy's accepted socket,
+/// keyed by the 4-tuple both ends share; SO_ORIGINAL_DST reads it in place. An entry outlives its
+/// connection, as a conntrack entry does, until the next connection on its 4-tuple overwrites or
+/// drops it or LRU evicts it; a TPROXY passthrough entry goes when its socket closes.
 #[btf_map]
 pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
     LruHashMap::new();

@@ -2,9 +2,10 @@
 //! accepted socket, and cleans up when a redirected socket closes.
 //!
 //! - TCP_CONNECT_CB (the client's SYN is about to leave; its source port is known): publish the
-//!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
-//! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim a pending entry into the socket's storage.
-//! - STATE_CB to TCP_CLOSE on a redirected client: drop an entry nobody claimed.
+//!   4-tuple in `SIDESTEP_PEND` (state callbacks only for a TPROXY passthrough).
+//! - PASSIVE_ESTABLISHED_CB (an accepted socket): with sk_msg, join the proxy's end to the
+//!   sockhash. The entry stays where it is; SO_ORIGINAL_DST reads it there.
+//! - STATE_CB to TCP_CLOSE on a TPROXY passthrough socket: drop its entry.
 
 use aya_ebpf::{
     EbpfContext,
@@ -18,7 +19,7 @@ use aya_ebpf::{
     programs::SockOpsContext,
 };
 use sidestep_abi::{
-    ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, socket_side, v4_mapped,
+    ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, v4_mapped,
 };
 
 use crate::{
@@ -139,10 +140,12 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     if sk.is_null() {
         return;
     }
-    // Only sockets that connect4/6 redirected carry storage; everything else stops here.
+    // Only sockets that connect4/6 redirected carry storage.
     // SAFETY: `sk` is this context's full socket.
     let orig = unsafe { socket_orig_dst(sk, None) };
     if orig.is_null() {
+        // SAFETY: forwarded from our caller.
+        unsafe { forget_stale_record(ctx) };
         return;
     }
     // SAFETY: non-null storage of this socket.
@@ -151,55 +154,64 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     let Some(key) = (unsafe { client_tuple(ctx) }) else {
         return;
     };
-    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() {
+    // The record outlives the connection, as a conntrack entry does, so that a proxy still finds
+    // it when the app closed before the proxy asked; a later connection on the same 4-tuple
+    // overwrites it, or `forget_stale_record` drops it. A TPROXY passthrough record is the
+    // exception: it lets a SYN from the client's address past inbound capture, so it must not
+    // outlive its connection (STATE_CB to CLOSE deletes it).
+    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() && orig.kind == redirect_kind::TPROXY_PASSTHROUGH
+    {
         let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
     }
 }
 
+/// A connection that was not redirected, to a loopback address: an earlier redirected connection
+/// on the same 4-tuple (the app calling the proxy's port itself, from a reused port) must not
+/// lend it its original destination.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn forget_stale_record(ctx: &SockOpsContext) {
+    // SAFETY: forwarded from our caller.
+    let Some(key) = (unsafe { client_tuple(ctx) }) else {
+        return;
+    };
+    if crate::policy::is_loopback(&key.server_addr) && SIDESTEP_PEND.get_ptr(key).is_some() {
+        let _ = SIDESTEP_PEND.remove(key);
+    }
+}
+
+/// An accepted socket of a pod with sk_msg on: if it is the proxy's end of a redirected app
+/// connection, join the sockhash. Nothing else happens here: SO_ORIGINAL_DST reads the hand-over
+/// entry in place (sockopt.rs), so most accepted sockets cost one pod lookup.
+///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
 unsafe fn on_accepted(ctx: &SockOpsContext) {
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    if !sk_msg_on(netns_cookie) {
+        return;
+    }
     // SAFETY: forwarded from our caller.
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
     let key = TupleKey {
-        // SAFETY: valid sock_ops context.
-        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        netns_cookie,
         client_addr: remote,
         server_addr: local,
         client_port: remote_port,
         server_port: local_port,
         _reserved: 0,
     };
-    // SAFETY: the value is copied out at once.
-    let Some(mut orig) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
-        return;
-    };
-    orig.side = socket_side::ACCEPTED;
-    // SAFETY: forwarded from our caller.
-    let sk = unsafe { full_socket(ctx.ops) };
-    if sk.is_null() {
-        return;
-    }
-    // SAFETY: `sk` is this context's full socket.
-    let stored = unsafe { socket_orig_dst(sk, Some(&mut orig)) };
-    if !stored.is_null() {
-        // SAFETY: non-null storage of this socket; overwrite a value left from an earlier claim.
-        unsafe { *stored = orig };
-        let _ = SIDESTEP_PEND.remove(key);
-        if orig.kind == redirect_kind::OUTBOUND {
-            // SAFETY: forwarded from our caller.
-            unsafe {
-                add_to_sockhash(
-                    ctx,
-                    key.netns_cookie,
-                    local,
-                    local_port,
-                    remote,
-                    remote_port,
-                )
-            };
-        }
+    // SAFETY: the value is read at once.
+    if unsafe { SIDESTEP_PEND.get(key) }.is_some_and(|o| o.kind == redirect_kind::OUTBOUND)
+        // SAFETY: forwarded from our caller.
+        && !unsafe { full_socket(ctx.ops) }.is_null()
+    {
+        // SAFETY: forwarded from our caller, on a full socket.
+        unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
     }
 }
 
@@ -255,12 +267,19 @@ unsafe fn on_established(ctx: &SockOpsContext) {
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
     // SAFETY: valid sock_ops context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    // SAFETY: forwarded from our caller.
-    unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
+    if sk_msg_on(netns_cookie) {
+        // SAFETY: forwarded from our caller.
+        unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
+    }
+}
+
+#[inline(always)]
+fn sk_msg_on(netns_cookie: u64) -> bool {
+    crate::policy::pod_policy(netns_cookie).is_some_and(|p| p.flags & flags::SK_MSG != 0)
 }
 
 /// # Safety
-/// `ctx` must be a live sock_ops context on a full socket.
+/// `ctx` must be a live sock_ops context on a full socket of a pod with sk_msg on.
 #[inline(always)]
 unsafe fn add_to_sockhash(
     ctx: &SockOpsContext,
@@ -270,12 +289,6 @@ unsafe fn add_to_sockhash(
     remote: [u32; 4],
     remote_port: u16,
 ) {
-    let Some(pod) = crate::policy::pod_policy(netns_cookie) else {
-        return;
-    };
-    if pod.flags & flags::SK_MSG == 0 {
-        return;
-    }
     let key = TupleKey {
         netns_cookie,
         client_addr: local,

@@ -3,14 +3,14 @@
 //! ENOENT for a connection sidestep did not redirect.
 
 use aya_ebpf::{
-    EbpfContext, helpers::generated::bpf_get_netns_cookie, macros::cgroup_sockopt,
-    programs::SockoptContext,
+    EbpfContext, bindings::bpf_sock, helpers::generated::bpf_get_netns_cookie,
+    macros::cgroup_sockopt, programs::SockoptContext,
 };
-use sidestep_abi::linux;
+use sidestep_abi::{OrigDst, TupleKey, linux, v4_mapped};
 
 use crate::{
-    context::{load, store},
-    maps::socket_orig_dst,
+    context::{load, load_ip6, store},
+    maps::{SIDESTEP_PEND, socket_orig_dst},
     policy,
 };
 
@@ -58,8 +58,13 @@ unsafe fn handle(ctx: &SockoptContext) {
     } else {
         linux::AF_INET6
     };
-    // SAFETY: non-null storage of this socket, copied out.
-    let orig = (!orig.is_null()).then(|| unsafe { *orig });
+    let orig = if orig.is_null() {
+        // SAFETY: `sk` is this context's socket, checked non-null.
+        unsafe { accepted_orig_dst(sk, netns_cookie) }
+    } else {
+        // SAFETY: non-null storage of this socket, copied out.
+        Some(unsafe { *orig })
+    };
     // Our record comes first: conntrack, if some rule loaded it, would name our own listener.
     let Some(orig) = orig.filter(|o| o.family == want_family) else {
         // SAFETY: 4-byte context field and socket field.
@@ -122,6 +127,47 @@ unsafe fn handle(ctx: &SockoptContext) {
         store(&raw mut (*so).retval, 0);
     }
     policy::count(netns_cookie, |c| c.orig_dst_hits += 1);
+}
+
+/// The original destination of an accepted socket: the hand-over entry its client's SYN left
+/// (the app's redirected connect, or inbound capture), read in place rather than claimed into
+/// the socket's storage, whose allocation and release cost more than the rest of a connection's
+/// programs together. The client's close removes an outbound entry; inbound ones are
+/// overwritten by the next SYN of the same 4-tuple or evicted, and name the accepted socket's own
+/// local address, which is what netfilter reports for it too.
+///
+/// # Safety
+/// `sk` must be the non-null socket of this getsockopt context.
+#[inline(always)]
+unsafe fn accepted_orig_dst(sk: *mut bpf_sock, netns_cookie: u64) -> Option<OrigDst> {
+    // SAFETY: readable fields of a full socket; every one read on every path so that each load
+    // keeps a constant offset.
+    let (family, local4, remote4, local6, remote6, local_port, remote_port_be) = unsafe {
+        (
+            load(&raw const (*sk).family),
+            load(&raw const (*sk).src_ip4),
+            load(&raw const (*sk).dst_ip4),
+            load_ip6(&raw const (*sk).src_ip6),
+            load_ip6(&raw const (*sk).dst_ip6),
+            load(&raw const (*sk).src_port),
+            load(&raw const (*sk).dst_port),
+        )
+    };
+    let (local, remote) = if family == u32::from(linux::AF_INET) {
+        (v4_mapped(local4), v4_mapped(remote4))
+    } else {
+        (local6, remote6)
+    };
+    let key = TupleKey {
+        netns_cookie,
+        client_addr: remote,
+        server_addr: local,
+        client_port: u16::from_be(remote_port_be),
+        server_port: local_port as u16,
+        _reserved: 0,
+    };
+    // SAFETY: the value is copied out at once.
+    unsafe { SIDESTEP_PEND.get(key) }.copied()
 }
 
 /// # Safety

@@ -101,6 +101,10 @@ fn main() {
                 !flag("--no-forward"),
                 flag("--v6only"),
                 flag("--transparent"),
+                Duration::from_millis(option("--accept-after-ms").map_or(0, |ms| {
+                    ms.parse()
+                        .expect("probe: --accept-after-ms takes milliseconds")
+                })),
             )
         }
         Some("tfo") => tfo(addr(1), option("--data").unwrap_or("probe-tfo")),
@@ -194,7 +198,7 @@ fn main() {
             eprintln!(
                 "usage: probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N] | \
                  probe udp-serve ADDR | probe udp-query ADDR [--connect] | \
-                 probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only] | \
+                 probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only] [--accept-after-ms N] | \
                  probe tfo ADDR [--data TEXT] | \
                  probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] \
                  [--read] [--linger0] [--timeout-ms N] | probe raw | probe hold ADDR | \

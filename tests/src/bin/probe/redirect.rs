@@ -101,6 +101,7 @@ pub(super) fn proxy(
     forward: bool,
     v6only: bool,
     transparent: bool,
+    accept_after: Duration,
 ) -> i32 {
     let mut listeners = Vec::new();
     for addr in addrs {
@@ -116,7 +117,12 @@ pub(super) fn proxy(
         .into_iter()
         .map(|(l, name)| {
             let report = report.to_string();
-            std::thread::spawn(move || serve(l, name, report, forward))
+            std::thread::spawn(move || {
+                // A proxy slow to accept: the kernel completes handshakes meanwhile, so a client
+                // can be gone before the proxy asks for its original destination.
+                std::thread::sleep(accept_after);
+                serve(l, name, report, forward)
+            })
         })
         .collect();
     for t in threads {
