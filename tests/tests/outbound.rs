@@ -425,6 +425,8 @@ fn original_destination_outlives_the_client_but_not_its_tuple() -> Result<()> {
     let server = node.add_pod("server")?;
     let loaded = Loaded::load(&env)?;
     loaded.enroll(&client, &[])?;
+    // Longer than a second, so that the second connection may reuse the first one's 4-tuple
+    // from TIME_WAIT (tcp_tw_reuse=2 on loopback).
     let accept_after = Duration::from_millis(1500);
     let ms = accept_after.as_millis().to_string();
     let argv = [
@@ -439,48 +441,34 @@ fn original_destination_outlives_the_client_but_not_its_tuple() -> Result<()> {
     let proxy = client.spawn(&env, Spawn::new(&argv).user(PROXY_UID, PROXY_UID))?;
     std::thread::sleep(Duration::from_millis(300));
 
-    // Connects, reads its peer and closes while the proxy has not accepted yet.
-    let target = SocketAddr::new(server.ipv4.into(), 80);
-    let out = client.run(&env, APP_UID, &[probe(), "connect", &target.to_string()])?;
-    let seen: Value = serde_json::from_slice(&out.stdout)?;
-    ensure!(seen["peer"] == target.to_string(), "{seen}");
-    let first = proxy_lines(&proxy, 1, accept_after * 4)?;
-    ensure!(
-        first[0]["orig_v4"]["addr"] == target.to_string(),
-        "the proxy accepted after the app closed and lost its destination: {}",
-        first[0]
-    );
-
-    // The same source port, redirected, then straight to the proxy's port.
+    let target = SocketAddr::new(server.ipv4.into(), 80).to_string();
     let source = "0.0.0.0:47123";
-    let sock = |to: &str| -> Result<Value> {
-        let argv = [
-            probe(),
-            "connect-sock",
-            to,
-            "--bind",
-            source,
-            "--reuseaddr",
-            "--linger0",
-            "--read",
-        ];
+    let connect = |to: &str, extra: &[&str]| -> Result<Value> {
+        let mut argv = vec![probe(), "connect-sock", to, "--bind", source, "--reuseaddr"];
+        argv.extend_from_slice(extra);
         let out = client.run(&env, APP_UID, &argv)?;
         Ok(serde_json::from_slice(&out.stdout)?)
     };
-    let redirected = sock(&target.to_string())?;
-    ensure!(redirected["local"] == "127.0.0.1:47123", "{redirected}");
-    let direct = sock("127.0.0.1:15001")?;
-    ensure!(direct["local"] == "127.0.0.1:47123", "{direct}");
-    let lines = proxy_lines(&proxy, 3, Duration::from_secs(5))?;
+    // Connects and closes while the proxy has not accepted yet.
+    let redirected = connect(&target, &[])?;
     ensure!(
-        lines[1]["peer"] == "127.0.0.1:47123" && lines[1]["orig_v4"]["addr"] == target.to_string(),
-        "{}",
-        lines[1]
+        redirected["local"] == "127.0.0.1:47123" && redirected["peer"] == target,
+        "{redirected}"
     );
+    let first = proxy_lines(&proxy, 1, accept_after * 4)?;
     ensure!(
-        lines[2]["peer"] == "127.0.0.1:47123" && lines[2]["orig_v4"]["errno"] == 2,
+        first[0]["peer"] == "127.0.0.1:47123" && first[0]["orig_v4"]["addr"] == target,
+        "the proxy accepted after the app closed and lost its destination: {}",
+        first[0]
+    );
+    // The same 4-tuple, straight to the proxy's port.
+    let direct = connect("127.0.0.1:15001", &["--read", "--linger0"])?;
+    ensure!(direct["local"] == "127.0.0.1:47123", "{direct}");
+    let lines = proxy_lines(&proxy, 2, Duration::from_secs(5))?;
+    ensure!(
+        lines[1]["peer"] == "127.0.0.1:47123" && lines[1]["orig_v4"]["errno"] == 2,
         "a direct connection on a redirected connection's 4-tuple got its destination: {}",
-        lines[2]
+        lines[1]
     );
     Ok(())
 }

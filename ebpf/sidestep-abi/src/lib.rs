@@ -373,6 +373,10 @@ pub mod socket_side {
     pub const CLIENT: u16 = 0;
     /// The proxy's accepted socket: getpeername reports the real peer.
     pub const ACCEPTED: u16 = 1;
+    /// A `SIDESTEP_PEND` record of an app's connection that the proxy's end has read
+    /// (SO_ORIGINAL_DST): the app socket's close may delete it. One nobody read yet stays, so a
+    /// proxy that accepts after the app closed still gets its answer.
+    pub const ASKED: u16 = 2;
 }
 
 /// Key of `SIDESTEP_PEND`: a TCP connection as both of its ends see it, client first.

@@ -29,15 +29,17 @@ pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize 
 pub static SIDESTEP_STATS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =
     PerCpuHashMap::new();
 
-/// The original destination of a redirected socket, on the app's end (the proxy's end reads
-/// `SIDESTEP_PEND`). Socket-local storage: the kernel frees it with the socket, so it cannot leak.
+/// The original destination of a redirected socket: on the app's end, and on the proxy's end of
+/// an inbound connection (the proxy's end of an app connection reads `SIDESTEP_PEND`).
+/// Socket-local storage: the kernel frees it with the socket, so it cannot leak.
 #[btf_map]
 pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 
 /// Hand-over from the redirected connect (or inbound capture) to the proxy's accepted socket,
-/// keyed by the 4-tuple both ends share; SO_ORIGINAL_DST reads it in place. An entry outlives its
-/// connection, as a conntrack entry does, until the next connection on its 4-tuple overwrites or
-/// drops it or LRU evicts it; a TPROXY passthrough entry goes when its socket closes.
+/// keyed by the 4-tuple both ends share. An inbound record lives until the proxy's socket is
+/// established and claims it. An app connection's record is read in place by SO_ORIGINAL_DST and
+/// goes when the app socket closes, if the proxy has read it by then; otherwise it stays until
+/// the next connection on its 4-tuple overwrites or drops it, or LRU evicts it.
 #[btf_map]
 pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
     LruHashMap::new();

@@ -2,10 +2,10 @@
 //! accepted socket, and cleans up when a redirected socket closes.
 //!
 //! - TCP_CONNECT_CB (the client's SYN is about to leave; its source port is known): publish the
-//!   4-tuple in `SIDESTEP_PEND` (state callbacks only for a TPROXY passthrough).
-//! - PASSIVE_ESTABLISHED_CB (an accepted socket): with sk_msg, join the proxy's end to the
-//!   sockhash. The entry stays where it is; SO_ORIGINAL_DST reads it there.
-//! - STATE_CB to TCP_CLOSE on a TPROXY passthrough socket: drop its entry.
+//!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
+//! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim an inbound record into the socket's
+//!   storage; an outbound one stays where it is, SO_ORIGINAL_DST reads it there.
+//! - STATE_CB to TCP_CLOSE on a redirected client: drop its record once the proxy read it.
 
 use aya_ebpf::{
     EbpfContext,
@@ -19,7 +19,7 @@ use aya_ebpf::{
     programs::SockOpsContext,
 };
 use sidestep_abi::{
-    ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, v4_mapped,
+    ListenerKey, OrigDst, TupleKey, flags, linux, redirect_kind, socket_side, v4_mapped,
 };
 
 use crate::{
@@ -64,9 +64,7 @@ unsafe fn handle(ctx: &SockOpsContext) {
             let new_state = unsafe { load(&raw const (*ops).__bindgen_anon_1.args[1]) };
             if new_state == BPF_TCP_CLOSE {
                 // SAFETY: forwarded from our caller.
-                if let Some(key) = unsafe { client_tuple(ctx) } {
-                    let _ = SIDESTEP_PEND.remove(key);
-                }
+                unsafe { on_client_closed(ctx) };
             }
         }
         _ => {}
@@ -154,20 +152,38 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     let Some(key) = (unsafe { client_tuple(ctx) }) else {
         return;
     };
-    // The record outlives the connection, as a conntrack entry does, so that a proxy still finds
-    // it when the app closed before the proxy asked; a later connection on the same 4-tuple
-    // overwrites it, or `forget_stale_record` drops it. A TPROXY passthrough record is the
-    // exception: it lets a SYN from the client's address past inbound capture, so it must not
-    // outlive its connection (STATE_CB to CLOSE deletes it).
-    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() && orig.kind == redirect_kind::TPROXY_PASSTHROUGH
-    {
+    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() {
         let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
     }
 }
 
+/// A redirected app socket closes: its record goes once the proxy has read it, as a conntrack
+/// entry outlives the socket until the connection is done. One nobody read yet stays, so that a
+/// proxy that accepts after the app closed still gets its answer; the next connection on the
+/// same 4-tuple overwrites it or `forget_stale_record` drops it, and the LRU evicts the rest. A
+/// TPROXY passthrough record always goes: it lets a SYN from the client's address past inbound
+/// capture, so it must not outlive its connection.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_client_closed(ctx: &SockOpsContext) {
+    // SAFETY: forwarded from our caller.
+    let Some(key) = (unsafe { client_tuple(ctx) }) else {
+        return;
+    };
+    // SAFETY: the value is read at once.
+    let done = unsafe { SIDESTEP_PEND.get(key) }.is_some_and(|record| {
+        record.side == socket_side::ASKED || record.kind == redirect_kind::TPROXY_PASSTHROUGH
+    });
+    if done {
+        let _ = SIDESTEP_PEND.remove(key);
+    }
+}
+
 /// A connection that was not redirected, to a loopback address: an earlier redirected connection
-/// on the same 4-tuple (the app calling the proxy's port itself, from a reused port) must not
-/// lend it its original destination.
+/// on the same 4-tuple whose record stayed (the app calling the proxy's port itself, from a
+/// reused port) must not lend it its original destination.
 ///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
@@ -182,36 +198,55 @@ unsafe fn forget_stale_record(ctx: &SockOpsContext) {
     }
 }
 
-/// An accepted socket of a pod with sk_msg on: if it is the proxy's end of a redirected app
-/// connection, join the sockhash. Nothing else happens here: SO_ORIGINAL_DST reads the hand-over
-/// entry in place (sockopt.rs), so most accepted sockets cost one pod lookup.
+/// An accepted socket. Inbound capture's record (the client is off the pod, so no close of
+/// ours would remove it) moves into the socket's storage. An app connection's record stays where
+/// it is, for SO_ORIGINAL_DST to read in place (sockopt.rs) and the app socket's close to
+/// remove: no allocation per outbound connection. With sk_msg on, the proxy's end joins the
+/// sockhash.
 ///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
 unsafe fn on_accepted(ctx: &SockOpsContext) {
-    // SAFETY: valid sock_ops context.
-    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    if !sk_msg_on(netns_cookie) {
-        return;
-    }
     // SAFETY: forwarded from our caller.
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
     let key = TupleKey {
-        netns_cookie,
+        // SAFETY: valid sock_ops context.
+        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
         client_addr: remote,
         server_addr: local,
         client_port: remote_port,
         server_port: local_port,
         _reserved: 0,
     };
-    // SAFETY: the value is read at once.
-    if unsafe { SIDESTEP_PEND.get(key) }.is_some_and(|o| o.kind == redirect_kind::OUTBOUND)
-        // SAFETY: forwarded from our caller.
-        && !unsafe { full_socket(ctx.ops) }.is_null()
-    {
-        // SAFETY: forwarded from our caller, on a full socket.
-        unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
+    // SAFETY: the value is copied out at once.
+    let Some(mut orig) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
+        return;
+    };
+    // SAFETY: forwarded from our caller.
+    let sk = unsafe { full_socket(ctx.ops) };
+    if sk.is_null() {
+        return;
+    }
+    if orig.kind == redirect_kind::OUTBOUND {
+        if sk_msg_on(key.netns_cookie) {
+            // SAFETY: forwarded from our caller, on a full socket.
+            unsafe {
+                add_to_sockhash(ctx, key.netns_cookie, local, local_port, remote, remote_port)
+            };
+        }
+        return;
+    }
+    if orig.kind != redirect_kind::INBOUND && orig.kind != redirect_kind::REROUTE {
+        return;
+    }
+    orig.side = socket_side::ACCEPTED;
+    // SAFETY: `sk` is this context's full socket.
+    let stored = unsafe { socket_orig_dst(sk, Some(&mut orig)) };
+    if !stored.is_null() {
+        // SAFETY: non-null storage of this socket; overwrite a value left from an earlier claim.
+        unsafe { *stored = orig };
+        let _ = SIDESTEP_PEND.remove(key);
     }
 }
 

@@ -6,7 +6,7 @@ use aya_ebpf::{
     EbpfContext, bindings::bpf_sock, helpers::generated::bpf_get_netns_cookie,
     macros::cgroup_sockopt, programs::SockoptContext,
 };
-use sidestep_abi::{OrigDst, TupleKey, linux, v4_mapped};
+use sidestep_abi::{OrigDst, TupleKey, linux, socket_side, v4_mapped};
 
 use crate::{
     context::{load, load_ip6, store},
@@ -129,12 +129,10 @@ unsafe fn handle(ctx: &SockoptContext) {
     policy::count(netns_cookie, |c| c.orig_dst_hits += 1);
 }
 
-/// The original destination of an accepted socket: the hand-over entry its client's SYN left
-/// (the app's redirected connect, or inbound capture), read in place rather than claimed into
-/// the socket's storage, whose allocation and release cost more than the rest of a connection's
-/// programs together. The client's close removes an outbound entry; inbound ones are
-/// overwritten by the next SYN of the same 4-tuple or evicted, and name the accepted socket's own
-/// local address, which is what netfilter reports for it too.
+/// The original destination of the proxy's end of an app connection: the hand-over record its
+/// client's SYN left, read in place rather than claimed into the socket's storage, whose
+/// allocation and release cost more than the rest of the connection's programs together. The
+/// record is marked read, so that the app socket's close may remove it (sockops.rs).
 ///
 /// # Safety
 /// `sk` must be the non-null socket of this getsockopt context.
@@ -166,8 +164,12 @@ unsafe fn accepted_orig_dst(sk: *mut bpf_sock, netns_cookie: u64) -> Option<Orig
         server_port: local_port as u16,
         _reserved: 0,
     };
-    // SAFETY: the value is copied out at once.
-    unsafe { SIDESTEP_PEND.get(key) }.copied()
+    let record = SIDESTEP_PEND.get_ptr_mut(key)?;
+    // SAFETY: a live map value; a racing reader sees either side, and both answer the same.
+    unsafe {
+        (*record).side = socket_side::ASKED;
+        Some(*record)
+    }
 }
 
 /// # Safety
