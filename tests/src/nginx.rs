@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use nix::sched::CpuSet;
 
 use crate::env::TestEnv;
 use crate::net::wait_listening;
@@ -72,6 +73,11 @@ impl Server {
     /// Starts nginx in `pod` (and the test cgroup) on `0.0.0.0:<port>` and, when the pod has
     /// IPv6, `[::]:<port>` (ipv6only), after `nginx -t`; waits until both listen.
     pub fn start(env: &TestEnv, pod: &Pod, port: u16) -> Result<Self> {
+        Self::start_on(env, pod, port, None)
+    }
+
+    /// As [`Server::start`], pinned to `cpus` (the benchmark's layout).
+    pub fn start_on(env: &TestEnv, pod: &Pod, port: u16, cpus: Option<CpuSet>) -> Result<Self> {
         let ipv6 = netns::ipv6_enabled(&pod.netns_path);
         let prefix = env
             .tmp_dir()
@@ -101,7 +107,7 @@ impl Server {
                 String::from_utf8_lossy(&check.stderr)
             );
         }
-        let mut child = pod.spawn(env, Spawn::new(&argv(false)))?;
+        let mut child = pod.spawn(env, Spawn::new(&argv(false)).cpus(cpus))?;
         let mut want = vec![SocketAddr::from(([0, 0, 0, 0], port))];
         if ipv6 {
             want.push(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)));

@@ -14,6 +14,7 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use nix::sched::CpuSet;
 
 use crate::env::TestEnv;
 use crate::util::{tail, wait_exit};
@@ -38,6 +39,8 @@ pub struct Spawn<'a> {
     /// Move the process into the test cgroup (the default). `false` leaves it in the test
     /// runner's cgroup, outside anything the test attaches.
     pub in_cgroup: bool,
+    /// CPUs the process (and every thread it makes) may run on; None: the runner's own set.
+    pub cpus: Option<CpuSet>,
 }
 
 impl Default for Spawn<'_> {
@@ -48,6 +51,7 @@ impl Default for Spawn<'_> {
             gid: 0,
             env: &[],
             in_cgroup: true,
+            cpus: None,
         }
     }
 }
@@ -68,6 +72,11 @@ impl<'a> Spawn<'a> {
 
     pub fn env(self, env: &'a [(&'a str, &'a str)]) -> Self {
         Self { env, ..self }
+    }
+
+    /// Pins the process to `cpus` from before exec, so that threads it starts early inherit it.
+    pub fn cpus(self, cpus: Option<CpuSet>) -> Self {
+        Self { cpus, ..self }
     }
 
     pub fn outside_cgroup(self) -> Self {
@@ -259,6 +268,7 @@ pub(crate) fn spawn(
         netns_fd: ns.as_ref().map(AsRawFd::as_raw_fd),
         uid: spec.uid,
         gid: spec.gid,
+        cpus: spec.cpus,
         parent: die_with_parent.then(std::process::id),
     };
 
@@ -335,6 +345,7 @@ struct ChildSetup {
     netns_fd: Option<RawFd>,
     uid: u32,
     gid: u32,
+    cpus: Option<CpuSet>,
     parent: Option<u32>,
 }
 
@@ -361,6 +372,12 @@ impl ChildSetup {
         if let Some(fd) = self.netns_fd {
             // SAFETY: `fd` is an open /run/netns/<name> descriptor.
             check(unsafe { libc::setns(fd, libc::CLONE_NEWNET) })?;
+        }
+        if let Some(set) = &self.cpus {
+            // Before the credential drop: changing one's own affinity needs no privilege, but a
+            // failure here should be reported as the spawn's, not hidden behind a later step.
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), set)
+                .map_err(io::Error::from)?;
         }
         // SAFETY: a zero-length group list with a null pointer is valid for setgroups(2).
         check(unsafe { libc::setgroups(0, std::ptr::null()) })?;

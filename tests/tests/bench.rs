@@ -2,14 +2,14 @@
 //! Regenerates docs/BENCHMARKS.md and docs/benchmarks.svg.
 //!
 //! Run it with `cargo xtask bench` (full, under 20 min) or `cargo xtask bench --quick` (under
-//! 3 min). It is `#[ignore]`d so that `cargo test` never runs it by accident, and it needs root;
+//! 3 min); `--repeat N` runs the whole suite N times and reports each headline figure's range. It is `#[ignore]`d so that `cargo test` never runs it by accident, and it needs root;
 //! it skips otherwise.
 
 use std::fs;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use sidestep_tests::bench::{self, Config, report::SVG_NAME, sections};
+use sidestep_tests::bench::{self, Config, repeats, report::SVG_NAME, sections};
 use sidestep_tests::env::TestEnv;
 use sidestep_tests::sidestep::Loaded;
 use sidestep_tests::skip_unless_root;
@@ -29,32 +29,72 @@ fn bench() -> Result<()> {
         Ok("ambient") => return only_section(&cfg, &md, sections::AMBIENT),
         _ => {}
     }
+    let repeat = repeats::count_from_env()?;
     eprintln!(
-        "bench: {} run, {} rounds of {} s per run",
+        "bench: {} run, {} rounds of {} s per run, {repeat} repeat(s)",
         if cfg.quick { "quick" } else { "full" },
         cfg.rounds,
         cfg.run_secs
     );
-    let report = bench::run(&cfg)?;
+    let mut reports = Vec::new();
+    for i in 1..=repeat {
+        eprintln!("bench: repeat {i}/{repeat}");
+        // A failed repeat leaves the others' figures standing; the command still fails.
+        match bench::run(&cfg) {
+            Ok(r) => reports.push(r),
+            Err(e) if repeat > 1 => eprintln!("bench: repeat {i} failed: {e:#}"),
+            Err(e) => return Err(e),
+        }
+    }
+    let Some(report) = reports.last() else {
+        bail!("every one of the {repeat} repeats failed");
+    };
     // The ambient section needs a ztunnel this run may not have: the last one is kept.
     let old = fs::read_to_string(&md).unwrap_or_default();
-    let page = match sections::section(&old, sections::AMBIENT) {
+    let mut page = match sections::section(&old, sections::AMBIENT) {
         Some(body) => sections::splice(&report.markdown(), sections::AMBIENT, &body),
         None => report.markdown(),
     };
+    page = repeats::with_section(&page, &repeats::section(&reports));
     fs::write(&md, page).with_context(|| format!("write {}", md.display()))?;
     let svg = docs.join(SVG_NAME);
     fs::write(&svg, report.svg()).with_context(|| format!("write {}", svg.display()))?;
     eprintln!(
-        "bench: wrote {} and {} ({:.0} s)",
+        "bench: wrote {} and {} ({:.0} s for the last repeat)",
         md.display(),
         svg.display(),
         report.timings.total.as_secs_f64()
     );
+    if reports.len() > 1 {
+        let sentence = repeats::readme_sentence(&reports);
+        eprintln!("bench: README sentence: {sentence}");
+        // Only a full run speaks for the README; a quick one would put coarse ratios there.
+        if !cfg.quick {
+            let readme = docs.join("../README.md");
+            let text = fs::read_to_string(&readme).unwrap_or_default();
+            if sections::section(&text, sections::REPEATS).is_some() {
+                fs::write(
+                    &readme,
+                    sections::splice(&text, sections::REPEATS, &sentence),
+                )
+                .with_context(|| format!("write {}", readme.display()))?;
+                eprintln!("bench: updated the headline range in {}", readme.display());
+            }
+        }
+    }
+    if reports.len() < repeat {
+        bail!(
+            "{} of {repeat} repeats failed (the page has the others)",
+            repeat - reports.len()
+        );
+    }
     for m in &report.missing {
         eprintln!("bench: no successful run for {m} (the report says so)");
     }
-    let failed = report.missing_in_default_modes();
+    let failed: Vec<_> = reports
+        .iter()
+        .flat_map(|r| r.missing_in_default_modes())
+        .collect();
     if !failed.is_empty() {
         bail!(
             "no successful run for: {} (the report says so too)",

@@ -103,6 +103,11 @@ enum Task {
         /// Short runs, for checking that the benchmark works.
         #[arg(long)]
         quick: bool,
+        /// Run the whole suite this many times in one invocation; docs/BENCHMARKS.md then gives
+        /// each headline figure per run and its range (and a full run updates the README's
+        /// sentence about it).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        repeat: u32,
         /// Only this mode (`cni`: ADD/DEL against the iptables install; `scale`: 1, 100 and
         /// 1,000 pods; `ambient`: one unmodified ztunnel, SIDESTEP_ZTUNNEL, under istio-cni's
         /// iptables and sidestep); it rewrites its own section of docs/BENCHMARKS.md. Default:
@@ -187,7 +192,11 @@ fn run(task: Task) -> Result<ExitCode> {
             command,
         } => return vm::run(&kernel, timeout, &command),
         Task::Demo => return tasks::demo(),
-        Task::Bench { quick, mode } => return tasks::bench(quick, mode.as_deref()),
+        Task::Bench {
+            quick,
+            repeat,
+            mode,
+        } => return tasks::bench(quick, repeat, mode.as_deref()),
         Task::Fuzz { seconds, target } => return fuzz::run(seconds, target.as_deref()),
     }
     Ok(ExitCode::SUCCESS)

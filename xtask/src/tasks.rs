@@ -75,7 +75,13 @@ pub fn demo() -> Result<ExitCode> {
     Ok(exit_code(status))
 }
 
-pub fn bench(quick: bool, mode: Option<&str>) -> Result<ExitCode> {
+pub fn bench(quick: bool, repeat: u32, mode: Option<&str>) -> Result<ExitCode> {
+    if repeat > 1 && mode.is_some() {
+        bail!(
+            "--repeat is for the whole suite; a single mode (`bench {}`) runs once",
+            mode.unwrap_or_default()
+        );
+    }
     setup::full(false)?;
     let object = build::workspace(true)?;
     let plugin = build::static_plugin(&object, true)?;
@@ -88,6 +94,7 @@ pub fn bench(quick: bool, mode: Option<&str>) -> Result<ExitCode> {
     if let Some(mode) = mode {
         cargo = cargo.env("SIDESTEP_BENCH_MODE", mode);
     }
+    cargo = cargo.env("SIDESTEP_BENCH_REPEAT", repeat.to_string());
     let status = cargo
         .args([
             "test",

@@ -12,6 +12,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use nix::sched::CpuSet;
 
 use crate::env::TestEnv;
 use crate::net::wait_listening;
@@ -95,7 +96,13 @@ backend inbound_orig
 
 /// Checks the config with `haproxy -c`, starts `haproxy -db` as the proxy UID/GID in `pod` and
 /// `env`'s cgroup, and waits for every listener.
-pub fn start(env: &TestEnv, pod: &Pod, role: Role, ports: &[ExplicitPort]) -> Result<ChildGuard> {
+pub fn start(
+    env: &TestEnv,
+    pod: &Pod,
+    role: Role,
+    ports: &[ExplicitPort],
+    cpus: Option<CpuSet>,
+) -> Result<ChildGuard> {
     let path = env
         .tmp_dir()
         .join(format!("bench-haproxy-{}-{}.cfg", pod.name, env.next_seq()));
@@ -115,7 +122,9 @@ pub fn start(env: &TestEnv, pod: &Pod, role: Role, ports: &[ExplicitPort]) -> Re
     }
     let mut child = pod.spawn(
         env,
-        Spawn::new(&["haproxy", "-db", "-f", path_s]).user(PROXY_UID, PROXY_UID),
+        Spawn::new(&["haproxy", "-db", "-f", path_s])
+            .user(PROXY_UID, PROXY_UID)
+            .cpus(cpus),
     )?;
     let mut want = vec![
         SocketAddr::from(([127, 0, 0, 1], OUTBOUND_PORT)),

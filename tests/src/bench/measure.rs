@@ -7,6 +7,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use super::Config;
+use super::cpus::Role;
 use super::topology::{APP_UID, HTTP_PORT, IPERF_PORT, Lane, SOCKPERF_PORT};
 use crate::process::Spawn;
 
@@ -80,9 +81,13 @@ pub fn run(lane: &Lane<'_>, w: Workload, cfg: &Config, secs: u32) -> Result<Outc
 /// Runs `argv` as the app in the lane's client pod; fails on a non-zero exit.
 fn run_app(lane: &Lane<'_>, argv: &[&str], secs: u32) -> Result<String> {
     let timeout = Duration::from_secs(u64::from(secs) + 20);
-    let out = lane
-        .client
-        .run_with(lane.env, Spawn::new(argv).user(APP_UID, APP_UID), timeout)?;
+    let out = lane.client.run_with(
+        lane.env,
+        Spawn::new(argv)
+            .user(APP_UID, APP_UID)
+            .cpus(lane.cpus.set(Role::LoadGen)),
+        timeout,
+    )?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     if !out.status.success() {
         bail!(

@@ -17,11 +17,14 @@ use anyhow::{Context, Result};
 pub mod ambient;
 pub mod bpfstats;
 pub mod cni;
+pub mod cpus;
 pub mod enrol;
 pub mod haproxy_cfg;
 pub mod measure;
 pub mod netstat;
+pub mod repeats;
 pub mod report;
+pub mod rounds;
 pub mod scale;
 pub mod sections;
 pub mod stats;
@@ -413,6 +416,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
     let ss_env = TestEnv::new("bench-ss")?;
     let mut topo =
         topology::Topology::build(&env, &ss_env).context("building the bench topology")?;
+    let cpus = topo.cpus.to_string();
     let mut timings = Timings {
         setup: t0.elapsed(),
         ..Timings::default()
@@ -423,6 +427,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
     let mut notes = Vec::new();
     let mut health: [ConnHealth; Mode::COUNT] = Default::default();
     let mut tw_control = TwControl::default();
+    let mut round_tcp = Vec::new();
 
     // Warm-up (unrecorded), then the capture sanity checks: each lane's traffic really went
     // the way its mode says.
@@ -444,12 +449,23 @@ pub fn run(cfg: &Config) -> Result<Report> {
                 // Rotate the order every round so that no mode always runs first or after
                 // the same neighbour.
                 let lane = &topo.lanes[(k + round) % topo.lanes.len()];
-                let before = (w == Workload::NewConn)
-                    .then(|| tcp_counters(lane))
-                    .flatten();
+                let new_conn = w == Workload::NewConn;
+                let before = new_conn.then(|| tcp_counters(lane)).flatten();
+                let setup_before = new_conn.then(|| rounds::setup_counters(lane)).flatten();
                 let outcome = measure::run(lane, w, cfg, cfg.run_secs);
                 if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (before, &outcome) {
                     health[lane.mode.index()].add(r.requests, b, lane);
+                }
+                if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (setup_before, &outcome)
+                    && let Some(a) = rounds::setup_counters(lane)
+                {
+                    round_tcp.push(rounds::RoundTcp {
+                        round: round + 1,
+                        mode: lane.mode,
+                        rate: r.rate,
+                        p99_us: r.p99_us,
+                        c: a.since(b),
+                    });
                 }
                 if w == Workload::NewConn && lane.mode == Mode::Sidestep {
                     // The diagnostic control runs right after the sidestep lane.
@@ -546,6 +562,8 @@ pub fn run(cfg: &Config) -> Result<Report> {
         metrics,
         health,
         tw_control,
+        round_tcp,
+        cpus,
         bpf,
         enrol,
         cni,

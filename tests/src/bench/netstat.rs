@@ -75,6 +75,114 @@ pub fn tcp_counters(pod: &Pod) -> Result<TcpCounters> {
     })
 }
 
+/// The counters of the per-round table: what might make a new-connection round slow. All but
+/// `sockstat_tw` only grow, and a round shows their deltas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SetupCounters {
+    /// TcpExt TCPSynRetrans.
+    pub syn_retrans: u64,
+    /// TcpExt ListenDrops: SYNs or completed handshakes a listener dropped (any reason).
+    pub listen_drops: u64,
+    /// TcpExt ListenOverflows: of those, the accept queue was full.
+    pub listen_overflows: u64,
+    /// TcpExt TW: TIME_WAIT sockets that ended by their timer.
+    pub tw: u64,
+    /// TcpExt TWRecycled: TIME_WAIT sockets a new connection took over.
+    pub tw_recycled: u64,
+    /// TcpExt TCPTimeWaitOverflow: TIME_WAIT sockets not made (tcp_max_tw_buckets reached).
+    pub tw_overflow: u64,
+    /// sockstat `tw`: TIME_WAIT sockets now (a level, not a counter).
+    pub sockstat_tw: u64,
+    /// nf_conntrack `insert_failed`, summed over CPUs: a new entry lost a race to an equal
+    /// tuple (with NAT, a clash); None when the netns has no conntrack statistics.
+    pub ct_insert_failed: Option<u64>,
+    /// nf_conntrack `drop`: packets dropped because of that or a full table.
+    pub ct_drop: Option<u64>,
+}
+
+fn opt_sum(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (None, None) => None,
+        _ => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+    }
+}
+
+impl SetupCounters {
+    pub fn plus(self, o: Self) -> Self {
+        Self {
+            syn_retrans: self.syn_retrans + o.syn_retrans,
+            listen_drops: self.listen_drops + o.listen_drops,
+            listen_overflows: self.listen_overflows + o.listen_overflows,
+            tw: self.tw + o.tw,
+            tw_recycled: self.tw_recycled + o.tw_recycled,
+            tw_overflow: self.tw_overflow + o.tw_overflow,
+            sockstat_tw: self.sockstat_tw + o.sockstat_tw,
+            ct_insert_failed: opt_sum(self.ct_insert_failed, o.ct_insert_failed),
+            ct_drop: opt_sum(self.ct_drop, o.ct_drop),
+        }
+    }
+
+    /// The counters' growth since `earlier`; `sockstat_tw` is this reading's level.
+    pub fn since(self, earlier: Self) -> Self {
+        let d = |a: Option<u64>, b: Option<u64>| Some(a?.saturating_sub(b.unwrap_or(0)));
+        Self {
+            syn_retrans: self.syn_retrans.saturating_sub(earlier.syn_retrans),
+            listen_drops: self.listen_drops.saturating_sub(earlier.listen_drops),
+            listen_overflows: self
+                .listen_overflows
+                .saturating_sub(earlier.listen_overflows),
+            tw: self.tw.saturating_sub(earlier.tw),
+            tw_recycled: self.tw_recycled.saturating_sub(earlier.tw_recycled),
+            tw_overflow: self.tw_overflow.saturating_sub(earlier.tw_overflow),
+            sockstat_tw: self.sockstat_tw,
+            ct_insert_failed: d(self.ct_insert_failed, earlier.ct_insert_failed),
+            ct_drop: d(self.ct_drop, earlier.ct_drop),
+        }
+    }
+}
+
+/// Columns `names` of /proc/net/stat/nf_conntrack (a header, then one line of hex values per
+/// CPU), each summed over the CPUs.
+pub fn parse_conntrack_stat(text: &str, names: &[&str]) -> Option<Vec<u64>> {
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next()?.split_whitespace().collect();
+    let idx: Vec<usize> = names
+        .iter()
+        .map(|n| header.iter().position(|h| h == n))
+        .collect::<Option<_>>()?;
+    let mut sums = vec![0u64; names.len()];
+    for line in lines {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        for (sum, &i) in sums.iter_mut().zip(&idx) {
+            *sum += u64::from_str_radix(f.get(i)?, 16).ok()?;
+        }
+    }
+    Some(sums)
+}
+
+/// The [`SetupCounters`] of `pod`'s netns now. The conntrack statistics are the netns's own
+/// (the kernel keeps them per netns), read like the rest from a thread inside it; they are
+/// absent where the conntrack module is not loaded.
+pub fn setup_counters(pod: &Pod) -> Result<SetupCounters> {
+    let ext = read_in(pod, "netstat")?;
+    let sock = read_in(pod, "sockstat")?;
+    let ct = read_in(pod, "stat/nf_conntrack")
+        .ok()
+        .and_then(|t| parse_conntrack_stat(&t, &["insert_failed", "drop"]));
+    let get = |k: &str| parse_netstat(&ext, "TcpExt:", k).with_context(|| format!("no TcpExt {k}"));
+    Ok(SetupCounters {
+        syn_retrans: get("TCPSynRetrans")?,
+        listen_drops: get("ListenDrops")?,
+        listen_overflows: get("ListenOverflows")?,
+        tw: get("TW")?,
+        tw_recycled: get("TWRecycled")?,
+        tw_overflow: get("TCPTimeWaitOverflow")?,
+        sockstat_tw: parse_sockstat_tw(&sock).context("no TCP tw in sockstat")?,
+        ct_insert_failed: ct.as_ref().map(|v| v[0]),
+        ct_drop: ct.as_ref().map(|v| v[1]),
+    })
+}
+
 /// TIME_WAIT sockets in this netns now.
 pub fn time_wait(pod: &Pod) -> Result<u64> {
     let t = read_in(pod, "sockstat")?;
@@ -101,5 +209,29 @@ mod tests {
         let s =
             "sockets: used 5\nTCP: inuse 3 orphan 0 tw 5420 alloc 4 mem 1\nUDP: inuse 0 mem 0\n";
         assert_eq!(parse_sockstat_tw(s), Some(5420));
+        let ct = "entries  clashres found new invalid ignore delete chainlength insert insert_failed drop early_drop\n\
+                  00000004  00000000 00000000 00000000 00000003 00000000 00000000 00000000 00000000 0000000a 00000001 00000000\n\
+                  00000004  00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000006 00000002 00000000\n";
+        assert_eq!(
+            parse_conntrack_stat(ct, &["insert_failed", "drop"]),
+            Some(vec![16, 3])
+        );
+        assert_eq!(parse_conntrack_stat(ct, &["nope"]), None);
+        let a = SetupCounters {
+            syn_retrans: 5,
+            sockstat_tw: 100,
+            ct_drop: Some(4),
+            ..Default::default()
+        };
+        let b = SetupCounters {
+            syn_retrans: 2,
+            sockstat_tw: 900,
+            ct_drop: Some(1),
+            ..Default::default()
+        };
+        let d = a.since(b);
+        assert_eq!((d.syn_retrans, d.sockstat_tw, d.ct_drop), (3, 100, Some(3)));
+        assert_eq!(d.ct_insert_failed, None);
+        assert_eq!(a.plus(b).ct_drop, Some(5));
     }
 }

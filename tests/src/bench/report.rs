@@ -12,6 +12,7 @@ use super::{Config, ConnHealth, Metric, Mode, Timings, TwControl};
 
 mod appendix;
 mod costs;
+mod noise;
 mod svg;
 mod targets;
 #[cfg(test)]
@@ -19,6 +20,8 @@ mod tests;
 
 /// Where the chart goes, relative to docs/BENCHMARKS.md.
 pub const SVG_NAME: &str = "benchmarks.svg";
+
+pub use noise::{HeadlineFigure, fmt_ci};
 
 pub struct Report {
     pub config: Config,
@@ -28,6 +31,10 @@ pub struct Report {
     /// Indexed by [`Mode::index`].
     pub health: [ConnHealth; Mode::COUNT],
     pub tw_control: TwControl,
+    /// Every new-connection run with its counters, in run order.
+    pub round_tcp: Vec<super::rounds::RoundTcp>,
+    /// The CPU layout, as the setup table prints it.
+    pub cpus: String,
     pub bpf: Option<BpfCost>,
     pub enrol: EnrolResult,
     pub cni: Option<super::cni::CniBench>,
@@ -198,14 +205,16 @@ impl Report {
             let r = ratio(m.median(Mode::Sidestep), m.median(Mode::Iptables));
             let mut p = match overhead_pct(m) {
                 Some(p) => format!(
-                    "on a new connection per request, sidestep's capture overhead is {p:.0}% of iptables' ({} vs {} µs per connection over the explicit-proxy floor; {} the connections/s of iptables)",
+                    "on a new connection per request, sidestep's capture overhead is {p:.0}% of iptables' ({} vs {} µs per connection over the explicit-proxy floor; {} the connections/s of iptables{})",
                     fmt_opt(overhead(m, Mode::Sidestep)),
                     fmt_opt(overhead(m, Mode::Iptables)),
-                    fmt_ratio(r)
+                    fmt_ratio(r),
+                    self.noise_tag("nc_cps", Mode::Iptables)
                 ),
                 None => format!(
-                    "on a new connection per request, iptables showed no overhead over the explicit-proxy floor in this run, so the overhead ratio is undefined (sidestep: {} the connections/s of iptables)",
-                    fmt_ratio(r)
+                    "on a new connection per request, iptables showed no overhead over the explicit-proxy floor in this run, so the overhead ratio is undefined (sidestep: {} the connections/s of iptables{})",
+                    fmt_ratio(r),
+                    self.noise_tag("nc_cps", Mode::Iptables)
                 ),
             };
             if self.tw_collapse() {
@@ -219,15 +228,25 @@ impl Report {
         }
         if let Some(m) = self.metric("ka_rps") {
             parts.push(format!(
-                "on HTTP keep-alive sidestep serves {} the requests/s of iptables",
-                fmt_ratio(ratio(m.median(Mode::Sidestep), m.median(Mode::Iptables)))
+                "on HTTP keep-alive sidestep serves {} the requests/s of iptables{}",
+                fmt_ratio(ratio(m.median(Mode::Sidestep), m.median(Mode::Iptables))),
+                self.noise_tag("ka_rps", Mode::Iptables)
             ));
         }
         if let (Some(nc), Some(ka)) = (self.metric("nc_cps"), self.metric("ka_rps")) {
             parts.push(format!(
-                "against Istio's native nftables mode, {} the connections/s and {} the keep-alive requests/s",
+                "against Istio's native nftables mode, {} the connections/s{} and {} the keep-alive requests/s{}",
                 fmt_ratio(ratio(nc.median(Mode::Sidestep), nc.median(Mode::Nftables))),
-                fmt_ratio(ratio(ka.median(Mode::Sidestep), ka.median(Mode::Nftables)))
+                self.noise_tag("nc_cps", Mode::Nftables),
+                fmt_ratio(ratio(ka.median(Mode::Sidestep), ka.median(Mode::Nftables))),
+                self.noise_tag("ka_rps", Mode::Nftables)
+            ));
+            parts.push(format!(
+                "against the explicit-proxy floor (no capture at all), {} the connections/s{} and {} the keep-alive requests/s{}",
+                fmt_ratio(ratio(nc.median(Mode::Sidestep), nc.median(Mode::Explicit))),
+                self.noise_tag("nc_cps", Mode::Explicit),
+                fmt_ratio(ratio(ka.median(Mode::Sidestep), ka.median(Mode::Explicit))),
+                self.noise_tag("ka_rps", Mode::Explicit)
             ));
         }
         if let Some(c) = &self.cni
@@ -280,6 +299,11 @@ impl Report {
         let _ = writeln!(o, "| date | {} |", self.sys.date);
         let _ = writeln!(o, "| kernel | {} |", self.sys.kernel);
         let _ = writeln!(o, "| CPU | {} × {} (nproc) |", self.sys.cpu, self.sys.nproc);
+        let _ = writeln!(
+            o,
+            "| CPU layout | {} (tests/src/bench/cpus.rs says why; `SIDESTEP_BENCH_CPUS` overrides it). The CNI, scale and ambient sections run unpinned. |",
+            self.cpus
+        );
         let _ = writeln!(
             o,
             "| kind | **{kind}** (`{cmdline}`): {} interleaved rounds, {} s per run, {} s wrk warm-up per mode, {} enrol runs per tool |",
@@ -343,7 +367,7 @@ impl Report {
         // Results.
         let _ = writeln!(
             o,
-            "## Results\n\nMedians over {} rounds. Under each figure: its ratio to iptables (`÷ipt`) and to the explicit-proxy floor (`÷expl`). For requests/s, connections/s and Gbit/s higher is better; for latencies lower is better.\n",
+            "## Results\n\nMedians over {} rounds, each with its 95% bootstrap confidence interval in brackets (see Headline ratios and noise). Under each figure: its ratio to iptables (`÷ipt`) and to the explicit-proxy floor (`÷expl`). For requests/s, connections/s and Gbit/s higher is better; for latencies lower is better.\n",
             cfg.rounds
         );
         // One column per mode, from the same list the rows iterate, so the two cannot drift.
@@ -361,8 +385,9 @@ impl Report {
                 .map(|&mode| {
                     let v = m.median(mode);
                     format!(
-                        "{}<br><sub>{} ÷ipt · {} ÷expl</sub>",
+                        "{} {}<br><sub>{} ÷ipt · {} ÷expl</sub>",
                         fmt_opt(v),
+                        fmt_ci(m.ci(mode)),
                         fmt_ratio(ratio(v, ipt)),
                         fmt_ratio(ratio(v, expl))
                     )
@@ -371,6 +396,7 @@ impl Report {
             let _ = writeln!(o, "| {} ({}) | {} |", m.label, m.unit, cells.join(" | "));
         }
         let _ = writeln!(o);
+        self.noise_section(&mut o);
 
         // Overhead.
         let _ = writeln!(
@@ -408,6 +434,7 @@ impl Report {
 
         self.targets(&mut o);
         self.health_section(&mut o);
+        o.push_str(&super::rounds::section(&self.round_tcp));
         self.bpf_section(&mut o);
         self.enrol_section(&mut o);
         let mut o = o.trim_end().to_owned();

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 
 use super::Mode;
+use super::cpus::{CpuLayout, Role as CpuRole};
 use super::haproxy_cfg::{self, ExplicitPort, Role};
 use crate::env::TestEnv;
 use crate::istio_iptables::IstioCapture;
@@ -60,6 +61,8 @@ pub struct Lane<'e> {
     pub env: &'e TestEnv,
     pub client: Arc<Pod>,
     pub server: Arc<Pod>,
+    /// The CPU layout its processes were started with; the load generators use it too.
+    pub cpus: CpuLayout,
     procs: Vec<ChildGuard>,
     nginx: nginx::Server,
 }
@@ -97,6 +100,7 @@ pub struct Topology<'e> {
     /// (`net.ipv4.tcp_max_tw_buckets=0` in its netns). Only the new-connection workload runs
     /// on it; it is not one of the modes.
     pub tw_control: Lane<'e>,
+    pub cpus: CpuLayout,
     pub loaded: Loaded,
     pub node: Node,
 }
@@ -107,6 +111,8 @@ impl<'e> Topology<'e> {
     pub fn build(env: &'e TestEnv, ss_env: &'e TestEnv) -> Result<Self> {
         // Locals drop in reverse order, so on an error the lanes go first, then the programs,
         // then the node.
+        let cpus = CpuLayout::from_env().context("the benchmark's CPU layout")?;
+        eprintln!("bench: CPU layout: {cpus}");
         let node = Node::new(env, NodeOptions::ipv4_only())?;
         let loaded = Loaded::load(ss_env)?;
         let mut lanes = Vec::new();
@@ -116,7 +122,7 @@ impl<'e> Topology<'e> {
             } else {
                 env
             };
-            let lane = Self::make_lane(&node, &loaded, lane_env, mode, mode.slug(), None)
+            let lane = Self::make_lane(&node, &loaded, lane_env, &cpus, mode, mode.slug(), None)
                 .with_context(|| format!("setting up the {} lane", mode.label()))?;
             lanes.push(lane);
         }
@@ -124,6 +130,7 @@ impl<'e> Topology<'e> {
             &node,
             &loaded,
             ss_env,
+            &cpus,
             Mode::Sidestep,
             "twctl",
             Some(("net.ipv4.tcp_max_tw_buckets", "0")),
@@ -132,6 +139,7 @@ impl<'e> Topology<'e> {
         Ok(Self {
             lanes,
             tw_control,
+            cpus,
             loaded,
             node,
         })
@@ -142,6 +150,7 @@ impl<'e> Topology<'e> {
         node: &Node,
         loaded: &Loaded,
         env: &'e TestEnv,
+        cpus: &CpuLayout,
         mode: Mode,
         name: &str,
         server_sysctl: Option<(&str, &str)>,
@@ -187,14 +196,15 @@ impl<'e> Topology<'e> {
             }
             Mode::Direct | Mode::Explicit => {}
         }
-        let web = nginx::Server::start(env, &server, HTTP_PORT)?;
+        let web = nginx::Server::start_on(env, &server, HTTP_PORT, cpus.set(CpuRole::Server))?;
         let ip = server.ipv4.to_string();
         let mut procs = Vec::new();
         let sp_port = SOCKPERF_PORT.to_string();
         let mut sp = server.spawn(
             env,
             Spawn::new(&["sockperf", "server", "--tcp", "-i", &ip, "-p", &sp_port])
-                .user(APP_UID, APP_UID),
+                .user(APP_UID, APP_UID)
+                .cpus(cpus.set(CpuRole::Server)),
         )?;
         wait_listening(
             &mut sp,
@@ -205,7 +215,9 @@ impl<'e> Topology<'e> {
         let ip_port = IPERF_PORT.to_string();
         let mut ip3 = server.spawn(
             env,
-            Spawn::new(&["iperf3", "-s", "-p", &ip_port, "-B", &ip]).user(APP_UID, APP_UID),
+            Spawn::new(&["iperf3", "-s", "-p", &ip_port, "-B", &ip])
+                .user(APP_UID, APP_UID)
+                .cpus(cpus.set(CpuRole::Server)),
         )?;
         wait_listening(
             &mut ip3,
@@ -219,6 +231,7 @@ impl<'e> Topology<'e> {
                 &server,
                 Role::Server { own: server.ipv4 },
                 &EXPLICIT,
+                cpus.set(CpuRole::ServerSidecar),
             )?);
             procs.push(haproxy_cfg::start(
                 env,
@@ -227,6 +240,7 @@ impl<'e> Topology<'e> {
                     server: server.ipv4,
                 },
                 &EXPLICIT,
+                cpus.set(CpuRole::ClientSidecar),
             )?);
         }
         let lane = Lane {
@@ -234,6 +248,7 @@ impl<'e> Topology<'e> {
             env,
             client,
             server,
+            cpus: cpus.clone(),
             procs,
             nginx: web,
         };

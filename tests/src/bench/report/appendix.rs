@@ -38,7 +38,7 @@ impl Report {
         );
         let _ = writeln!(
             o,
-            "- Order: one unrecorded warm-up run per mode of the two wrk workloads (sockperf has its own warm-up), then a check that the iptables lane's REDIRECT chains and the sidestep lane's redirect counters both moved, then {} rounds. Within a round each workload runs on every mode back to back, and the mode order rotates by one every round (A B C …, B C … A, …), so slow phases of the shared machine hit every mode alike. Every figure is the median over the rounds; the raw rounds are at the end.",
+            "- Order: one unrecorded warm-up run per mode of the two wrk workloads (sockperf has its own warm-up), then a check that the iptables lane's REDIRECT chains and the sidestep lane's redirect counters both moved, then {} rounds. Within a round each workload runs on every mode back to back, and the mode order rotates by one every round (A B C …, B C … A, …), so slow phases of the shared machine hit every mode alike. Every figure is the median over the rounds, with a 95% bootstrap interval; the raw rounds are at the end.",
             c.rounds
         );
         let _ = writeln!(
@@ -56,8 +56,8 @@ impl Report {
         );
         let _ = writeln!(
             o,
-            "- Client, two sidecars, server and load generator share {} CPUs, so every figure includes CPU contention between them; these are relative figures for this machine, not absolute capacity numbers.",
-            self.sys.nproc
+            "- Client, two sidecars, server and load generator share {} CPUs, so every figure includes CPU contention between them; these are relative figures for this machine, not absolute capacity numbers. CPU layout: {}. Pinning fixes where each process runs, the same in every lane and round, so the scheduler's placement is not part of the spread; softirq work still runs on whichever CPU sends or receives.",
+            self.sys.nproc, self.cpus
         );
         let _ = writeln!(
             o,

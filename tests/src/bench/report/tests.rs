@@ -24,6 +24,8 @@ fn sample() -> Report {
         metrics,
         health: Default::default(),
         tw_control: Default::default(),
+        round_tcp: Vec::new(),
+        cpus: "every lane: load generator on CPU 0".into(),
         bpf: None,
         enrol: EnrolResult {
             sidestep_ms: vec![2.0, 3.0],
@@ -107,4 +109,61 @@ fn renders_markdown_and_svg() {
     assert_eq!(fmt_num(1234567.0), "1,234,567");
     assert_eq!(fmt_num(-12345.0), "-12,345");
     assert_eq!(fmt_num(5.432), "5.43");
+}
+
+#[test]
+fn intervals_and_noise_verdicts() {
+    let mut r = sample();
+    let md = r.markdown();
+    // Every median of the Results table carries its interval; the sample's lanes are 1% wide and
+    // far apart, so no headline ratio is within noise.
+    assert!(md.contains("| 40.0 [39.6–40.4]<br>"), "{md}");
+    assert_eq!(r.within_noise("nc_cps", Mode::Iptables), Some(false));
+    assert!(!r.headline().contains("within noise"));
+    // sidestep's rounds spread over iptables' median: the intervals overlap.
+    let nc = r.metrics.iter_mut().find(|m| m.key == "nc_cps").unwrap();
+    nc.values[Mode::Sidestep.index()] = vec![30.0, 45.0, 33.0, 50.0, 34.0];
+    assert_eq!(r.within_noise("nc_cps", Mode::Iptables), Some(true));
+    assert!(
+        r.headline()
+            .contains("the connections/s of iptables (within noise)"),
+        "{}",
+        r.headline()
+    );
+    let f = r.headline_figures();
+    assert_eq!(f.len(), 7);
+    assert!(f[0].pct && f[0].within_noise.is_none());
+    assert_eq!(f[1].within_noise, Some(true));
+}
+
+#[test]
+fn repeats_give_ranges() {
+    use crate::bench::repeats;
+    let a = sample();
+    let mut b = sample();
+    for m in &mut b.metrics {
+        for v in &mut m.values[Mode::Sidestep.index()] {
+            *v *= 1.1;
+        }
+    }
+    let reports = [a, b];
+    let figs = repeats::figures(&reports);
+    let (f, vals) = &figs[1];
+    assert!(f.label.ends_with("sidestep ÷ iptables"), "{}", f.label);
+    let (lo, hi) = repeats::range(vals).unwrap();
+    assert!((hi / lo - 1.1).abs() < 1e-9, "{lo} {hi}");
+    let s = repeats::section(&reports);
+    assert!(s.contains("| run 1 | run 2 | range (min–max) |"), "{s}");
+    assert!(s.contains("1.20×–1.32×"), "{s}");
+    assert!(repeats::readme_sentence(&reports).starts_with("Over 2 quick runs"));
+    assert!(repeats::section(&reports[..1]).contains("One run of the suite"));
+    let page = "# B\n\n**Headline:** x\n\n## The run\n\nt\n";
+    let once = repeats::with_section(page, "## Repeats\nv1");
+    assert!(
+        once.find("v1").unwrap() < once.find("## The run").unwrap(),
+        "{once}"
+    );
+    let twice = repeats::with_section(&once, "## Repeats\nv2");
+    assert!(twice.contains("v2") && !twice.contains("v1"));
+    assert_eq!(twice.matches("bench:repeats:begin").count(), 1);
 }

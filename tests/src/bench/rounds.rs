@@ -1,0 +1,307 @@
+//! Per-round TCP and conntrack counters of the new-connection workload, so that a slow round
+//! (the iptables lane has had rounds at half its usual rate with a p99 ten times its usual) can
+//! be matched to what the kernel counted during it, and a paragraph that says which counter,
+//! if any, is higher in a lane's slow rounds than in its fast ones.
+
+use std::fmt::Write as _;
+
+use super::Mode;
+use super::netstat::{self, SetupCounters};
+use super::report::fmt_num;
+use super::stats::median;
+use super::topology::Lane;
+
+/// One new-connection run of one lane.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundTcp {
+    /// 1-based.
+    pub round: usize,
+    pub mode: Mode,
+    /// Connections/s.
+    pub rate: f64,
+    pub p99_us: f64,
+    /// Client and server pod together: deltas over the run, and the TIME_WAIT level after it.
+    pub c: SetupCounters,
+}
+
+/// Client and server pod's counters summed; None (logged) when a read fails.
+pub fn setup_counters(lane: &Lane<'_>) -> Option<SetupCounters> {
+    match (
+        netstat::setup_counters(&lane.client),
+        netstat::setup_counters(&lane.server),
+    ) {
+        (Ok(a), Ok(b)) => Some(a.plus(b)),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("bench: reading per-round TCP counters: {e:#}");
+            None
+        }
+    }
+}
+
+/// A column of the table, and a candidate cause of slow rounds.
+pub struct Counter {
+    pub label: &'static str,
+    pub get: fn(&SetupCounters) -> Option<u64>,
+}
+
+pub const COUNTERS: [Counter; 9] = [
+    Counter {
+        label: "SYN retransmits",
+        get: |c| Some(c.syn_retrans),
+    },
+    Counter {
+        label: "ListenDrops",
+        get: |c| Some(c.listen_drops),
+    },
+    Counter {
+        label: "ListenOverflows",
+        get: |c| Some(c.listen_overflows),
+    },
+    Counter {
+        label: "TW",
+        get: |c| Some(c.tw),
+    },
+    Counter {
+        label: "TWRecycled",
+        get: |c| Some(c.tw_recycled),
+    },
+    Counter {
+        label: "TCPTimeWaitOverflow",
+        get: |c| Some(c.tw_overflow),
+    },
+    Counter {
+        label: "TIME_WAIT sockets after the run",
+        get: |c| Some(c.sockstat_tw),
+    },
+    Counter {
+        label: "conntrack insert_failed",
+        get: |c| c.ct_insert_failed,
+    },
+    Counter {
+        label: "conntrack drop",
+        get: |c| c.ct_drop,
+    },
+];
+
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// A lane's rounds below its median rate against those above it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finding {
+    pub mode: Mode,
+    pub slow_rounds: Vec<usize>,
+    pub fast_rounds: Vec<usize>,
+    /// Mean connections/s and p99 (µs) of the slow and the fast rounds.
+    pub slow_rate: f64,
+    pub fast_rate: f64,
+    pub slow_p99: f64,
+    pub fast_p99: f64,
+    /// Counters whose per-round mean is at least 1 in the slow rounds and at least twice the
+    /// fast rounds': (label, slow mean, fast mean).
+    pub higher_when_slow: Vec<(&'static str, f64, f64)>,
+}
+
+/// None when the lane has no round on one side of its median.
+pub fn finding(rows: &[RoundTcp], mode: Mode) -> Option<Finding> {
+    let lane: Vec<&RoundTcp> = rows.iter().filter(|r| r.mode == mode).collect();
+    let rates: Vec<f64> = lane.iter().map(|r| r.rate).collect();
+    let m = median(&rates)?;
+    // The median round itself, with an odd count, is on neither side.
+    let slow: Vec<&RoundTcp> = lane.iter().copied().filter(|r| r.rate < m).collect();
+    let fast: Vec<&RoundTcp> = lane.iter().copied().filter(|r| r.rate > m).collect();
+    if slow.is_empty() || fast.is_empty() {
+        return None;
+    }
+    let avg = |v: &[&RoundTcp], f: &dyn Fn(&RoundTcp) -> f64| {
+        mean(&v.iter().map(|r| f(r)).collect::<Vec<_>>()).unwrap_or(0.0)
+    };
+    // Raw counts per round, not per connection: a slow round makes fewer connections, so a
+    // counter that grows with connections is lower there and cannot be flagged by mistake.
+    let higher_when_slow = COUNTERS
+        .iter()
+        .filter_map(|k| {
+            let per_round = |v: &[&RoundTcp]| {
+                mean(
+                    &v.iter()
+                        .filter_map(|r| (k.get)(&r.c))
+                        .map(|x| x as f64)
+                        .collect::<Vec<_>>(),
+                )
+            };
+            let (s, f) = (per_round(&slow)?, per_round(&fast)?);
+            (s >= 1.0 && s >= 2.0 * f).then_some((k.label, s, f))
+        })
+        .collect();
+    Some(Finding {
+        mode,
+        slow_rounds: slow.iter().map(|r| r.round).collect(),
+        fast_rounds: fast.iter().map(|r| r.round).collect(),
+        slow_rate: avg(&slow, &|r| r.rate),
+        fast_rate: avg(&fast, &|r| r.rate),
+        slow_p99: avg(&slow, &|r| r.p99_us),
+        fast_p99: avg(&fast, &|r| r.p99_us),
+        higher_when_slow,
+    })
+}
+
+/// Whether a lane's slow rounds are a mode of their own rather than the usual spread.
+fn bimodal(f: &Finding) -> bool {
+    f.slow_rate < 0.8 * f.fast_rate
+}
+
+/// "round 3" or "rounds 1, 4".
+fn rounds_list(v: &[usize]) -> String {
+    let list = v
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!("round{} {list}", if v.len() == 1 { "" } else { "s" })
+}
+
+/// The paragraph for one lane.
+pub fn explain(f: &Finding) -> String {
+    let mut s = format!(
+        "**{}**: {} (below the lane's median rate) made {} conn/s on average with a p99 of {} µs; {} (above it) {} conn/s, p99 {} µs. ",
+        f.mode.label(),
+        rounds_list(&f.slow_rounds),
+        fmt_num(f.slow_rate),
+        fmt_num(f.slow_p99),
+        rounds_list(&f.fast_rounds),
+        fmt_num(f.fast_rate),
+        fmt_num(f.fast_p99),
+    );
+    if f.higher_when_slow.is_empty() {
+        s += "No counter of the table is higher in the slow rounds (by the rule: a mean of at least 1 per round and at least twice the fast rounds'), so these counters do not explain them.";
+    } else {
+        let parts: Vec<String> = f
+            .higher_when_slow
+            .iter()
+            .map(|(l, a, b)| format!("{l} ({} per round against {})", fmt_num(*a), fmt_num(*b)))
+            .collect();
+        s += &format!(
+            "Higher in the slow rounds (a mean of at least 1 per round and at least twice the fast rounds'): {}.",
+            parts.join("; ")
+        );
+    }
+    s
+}
+
+fn cell(v: Option<u64>) -> String {
+    v.map_or_else(|| "—".into(), |x| x.to_string())
+}
+
+/// The section: the table, then a paragraph for the iptables lane and for every lane whose slow
+/// rounds average under 0.8× its fast ones.
+pub fn section(rows: &[RoundTcp]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); and each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded). A rate marked ↓ is below the lane's median.\n"
+    );
+    let _ = writeln!(
+        o,
+        "| lane | round | conn/s | p99 (µs) | {} |\n|---|---:|---:|---:|{}",
+        COUNTERS.map(|c| c.label).join(" | "),
+        "---:|".repeat(COUNTERS.len())
+    );
+    for mode in Mode::ALL {
+        let lane: Vec<&RoundTcp> = rows.iter().filter(|r| r.mode == mode).collect();
+        let m = median(&lane.iter().map(|r| r.rate).collect::<Vec<_>>());
+        for r in lane {
+            let slow = m.is_some_and(|m| r.rate < m);
+            let _ = writeln!(
+                o,
+                "| {} | {} | {}{} | {} | {} |",
+                mode.label(),
+                r.round,
+                fmt_num(r.rate),
+                if slow { " ↓" } else { "" },
+                fmt_num(r.p99_us),
+                COUNTERS
+                    .iter()
+                    .map(|k| cell((k.get)(&r.c)))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+        }
+    }
+    let _ = writeln!(o);
+    for mode in Mode::ALL {
+        match finding(rows, mode) {
+            Some(f) if mode == Mode::Iptables || bimodal(&f) => {
+                let _ = writeln!(o, "{}\n", explain(&f));
+            }
+            None if mode == Mode::Iptables => {
+                let _ = writeln!(
+                    o,
+                    "**{}**: too few rounds on either side of the median to compare.\n",
+                    mode.label()
+                );
+            }
+            _ => {}
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(round: usize, rate: f64, syn: u64, tw: u64) -> RoundTcp {
+        RoundTcp {
+            round,
+            mode: Mode::Iptables,
+            rate,
+            p99_us: if rate < 4000.0 { 20_000.0 } else { 2500.0 },
+            c: SetupCounters {
+                syn_retrans: syn,
+                tw,
+                ct_insert_failed: Some(0),
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn slow_rounds_are_matched_to_their_counters() {
+        // Rounds 1 and 3 are slow and have SYN retransmits; TW grows with connections, so it is
+        // higher in the fast rounds and must not be named.
+        let rows = vec![
+            row(1, 2500.0, 12, 100),
+            row(2, 5900.0, 0, 300),
+            row(3, 2600.0, 9, 110),
+            row(4, 5800.0, 1, 290),
+            row(5, 5850.0, 0, 295),
+        ];
+        let f = finding(&rows, Mode::Iptables).unwrap();
+        assert_eq!(f.slow_rounds, vec![1, 3]);
+        assert_eq!(f.fast_rounds, vec![2, 5], "round 4 is the median");
+        assert_eq!(f.higher_when_slow.len(), 1, "{f:?}");
+        assert_eq!(f.higher_when_slow[0].0, "SYN retransmits");
+        assert!(bimodal(&f));
+        let text = section(&rows);
+        assert!(
+            text.contains("SYN retransmits (10.5 per round against 0.00)"),
+            "{text}"
+        );
+        assert!(text.contains("| iptables | 1 | 2500 ↓ |"), "{text}");
+        assert!(finding(&rows, Mode::Sidestep).is_none());
+    }
+
+    #[test]
+    fn no_counter_no_claim() {
+        let rows = vec![
+            row(1, 2500.0, 0, 100),
+            row(2, 5900.0, 0, 300),
+            row(3, 5000.0, 0, 300),
+        ];
+        let f = finding(&rows, Mode::Iptables).unwrap();
+        assert!(f.higher_when_slow.is_empty());
+        assert!(explain(&f).contains("do not explain them"));
+        assert!(explain(&f).contains("**iptables**: round 1 (below"));
+    }
+}
