@@ -198,4 +198,9 @@ pub enum EnrollError {
     /// already belong to another pod).
     #[error("istio.io/reroute-virtual-interfaces: {0}")]
     Reroute(String),
+    /// sk_msg needs `struct sock` offsets from the kernel's BTF to bound the peer's queue.
+    #[error(
+        "sk_msg cannot be enabled on this kernel: {0}. Without them it could not bound what it queues on the proxy's socket; enrol without --sk-msg (sidestep.io/sk-msg)"
+    )]
+    SkMsgUnsupported(String),
 }

@@ -209,6 +209,20 @@ fn load_inner(
     let mut loader = EbpfLoader::new();
     let tc_netns_cookie = u8::from(support.tc_netns_cookie);
     loader.override_global(globals::TC_NETNS_COOKIE, &tc_netns_cookie, true);
+    // sk_msg caps the peer's queue by reading kernel struct fields at these offsets. Unresolved,
+    // they stay 0 and the program redirects nothing (enrolment refuses sk_msg then, too).
+    let (msg_sk_redir, rmem_alloc, rcvbuf) = match crate::btf::sock_offsets() {
+        Ok(o) => (o.msg_sk_redir, o.rmem_alloc, o.rcvbuf),
+        Err(e) => {
+            tracing::warn!(
+                "sk_msg is unavailable: cannot resolve struct sock offsets ({e}); pods keep the TCP path"
+            );
+            (0, 0, 0)
+        }
+    };
+    loader.override_global(globals::SK_MSG_REDIR_OFFSET, &msg_sk_redir, true);
+    loader.override_global(globals::SK_RMEM_ALLOC_OFFSET, &rmem_alloc, true);
+    loader.override_global(globals::SK_RCVBUF_OFFSET, &rcvbuf, true);
     let map_paths: Vec<(&str, PathBuf)> =
         map_names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
     for (name, path) in &map_paths {
