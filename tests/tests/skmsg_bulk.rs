@@ -85,7 +85,9 @@ fn sk_msg_survives_bulk_writes_to_a_slow_proxy() -> Result<()> {
     let loaded = Loaded::load(&env)?;
     loaded.enroll(&pod, &["--sk-msg"])?;
     // 16/32/64 MiB: the old program's queue passes them within a second.
-    let _tcp_mem = in_vm().then(|| TcpMem::lower("4096 8192 16384")).transpose()?;
+    let _tcp_mem = in_vm()
+        .then(|| TcpMem::lower("4096 8192 16384"))
+        .transpose()?;
     // Under TCG every byte costs 20-50x; 128 MiB is still twice tcp_mem[2] there.
     let total = if in_vm() { 128 * MIB } else { 256 * MIB };
 
@@ -134,8 +136,14 @@ fn sk_msg_survives_bulk_writes_to_a_slow_proxy() -> Result<()> {
     const ROUNDS: u64 = 300;
     let out = pod.run_with(
         &env,
-        Spawn::new(&[probe(), "ping-pong", DESTINATION, &ROUNDS.to_string(), "4096"])
-            .user(APP_UID, APP_UID),
+        Spawn::new(&[
+            probe(),
+            "ping-pong",
+            DESTINATION,
+            &ROUNDS.to_string(),
+            "4096",
+        ])
+        .user(APP_UID, APP_UID),
         scaled(Duration::from_secs(60)),
     )?;
     let pp = last_json(&String::from_utf8_lossy(&out.stdout), "rounds")?;
@@ -143,7 +151,10 @@ fn sk_msg_survives_bulk_writes_to_a_slow_proxy() -> Result<()> {
     echo.wait_timeout(scaled(Duration::from_secs(10)))?;
     let (redirects_after, fallbacks_after) = sk_msg_counters(&loaded, &pod)?;
     let redirected = redirects_after - redirects;
-    eprintln!("ping-pong: {redirected} redirects, {} fallbacks", fallbacks_after - fallbacks);
+    eprintln!(
+        "ping-pong: {redirected} redirects, {} fallbacks",
+        fallbacks_after - fallbacks
+    );
     // Both directions of every round.
     ensure!(
         redirected >= 2 * ROUNDS,

@@ -158,7 +158,7 @@ impl<'a> Btf<'a> {
             } else {
                 (raw, 0)
             };
-            (bitfield == 0 && bits % 8 == 0).then_some((ty, bits / 8))
+            (bitfield == 0 && bits.is_multiple_of(8)).then_some((ty, bits / 8))
         })
     }
 
@@ -292,7 +292,10 @@ mod tests {
         assert!(struct_names(&btf).contains_key("tcp_sock"));
         let o = btf.sock_offsets().expect("offsets");
         assert_ne!(o.rmem_alloc, o.rcvbuf);
-        assert!(o.rmem_alloc % 4 == 0 && o.rcvbuf % 4 == 0, "{o:?}");
+        assert!(
+            o.rmem_alloc.is_multiple_of(4) && o.rcvbuf.is_multiple_of(4),
+            "{o:?}"
+        );
     }
 
     #[test]
