@@ -1,5 +1,6 @@
-//! A pod map configured small: the enrolment past capacity fails with a clear error and changes
-//! nothing. Needs root; skips otherwise.
+//! Map sizes and layouts: a pod map configured small refuses the enrolment past capacity with a
+//! clear error and changes nothing; an upgrade over a counters map of an older layout replaces it
+//! instead of refusing. Needs root; skips otherwise.
 
 use anyhow::{Result, ensure};
 use serde_json::Value;
@@ -86,4 +87,106 @@ fn enrolment_past_capacity_fails_and_changes_nothing() -> Result<()> {
     enroll(1)?;
     sidestep(&["unload", "--pin-root", &root])?;
     Ok(())
+}
+
+/// A release that adds a counter changes the counters map's value size. The upgrade replaces that
+/// statistics-only map (the pods' counts restart at 0) rather than stopping until someone runs
+/// `sidestep unload`, and every enrolled pod has its entry again, so its counting goes on.
+#[test]
+fn an_upgrade_replaces_a_counters_map_of_an_older_layout() -> Result<()> {
+    if skip_unless_root("an_upgrade_replaces_a_counters_map_of_an_older_layout") {
+        return Ok(());
+    }
+    let env = TestEnv::new("ctrlayout")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let pods = [node.add_pod("a")?, node.add_pod("b")?];
+    let root = env.pin_root().display().to_string();
+    let cgroup = env.cgroup_path().display().to_string();
+    let load = || sidestep(&["load", "--cgroup", &cgroup, "--pin-root", &root]);
+    load()?;
+    for pod in &pods {
+        let netns = pod.netns_path.display().to_string();
+        let ip = pod.ipv4.to_string();
+        sidestep(&[
+            "enroll",
+            "--pin-root",
+            &root,
+            "--netns",
+            &netns,
+            "--pod-ip",
+            &ip,
+        ])?;
+    }
+    // What an older release pinned: the same map with a smaller value.
+    let counters = env.pin_root().join("maps/SIDESTEP_STATS");
+    let path = counters.display().to_string();
+    let shown = bpftool(&["map", "show", "pinned", &path, "--json"])?;
+    let value_size = shown["bytes_value"].as_u64().unwrap_or(0);
+    ensure!(value_size > 8, "{shown}");
+    std::fs::remove_file(&counters)?;
+    let older = (value_size - 8).to_string();
+    bpftool(&[
+        "map",
+        "create",
+        &path,
+        "type",
+        "percpu_hash",
+        "key",
+        "8",
+        "value",
+        &older,
+        "entries",
+        "4096",
+        "name",
+        "SIDESTEP_STATS",
+    ])?;
+    let out = load()?;
+    ensure!(String::from_utf8_lossy(&out.stdout).contains("upgraded"));
+    let shown = bpftool(&["map", "show", "pinned", &path, "--json"])?;
+    ensure!(
+        shown["bytes_value"].as_u64() == Some(value_size),
+        "the old counters map is still pinned: {shown}"
+    );
+    ensure!(
+        map_entries(env.pin_root(), "SIDESTEP_STATS")? == pods.len(),
+        "the enrolled pods have no counters entry"
+    );
+    // Other maps keep refusing a changed layout.
+    let pod_map = env.pin_root().join("maps/SIDESTEP_POD");
+    let pod_path = pod_map.display().to_string();
+    let pod_shown = bpftool(&["map", "show", "pinned", &pod_path, "--json"])?;
+    let pod_value = (pod_shown["bytes_value"].as_u64().unwrap_or(0) + 8).to_string();
+    std::fs::remove_file(&pod_map)?;
+    bpftool(&[
+        "map",
+        "create",
+        &pod_path,
+        "type",
+        "hash",
+        "key",
+        "8",
+        "value",
+        &pod_value,
+        "entries",
+        "4096",
+        "name",
+        "SIDESTEP_POD",
+    ])?;
+    let err = load().expect_err("a pod map of another layout was taken over");
+    ensure!(format!("{err:#}").contains("layout changed"), "{err:#}");
+    sidestep(&["unload", "--pin-root", &root])?;
+    Ok(())
+}
+
+fn bpftool(args: &[&str]) -> Result<Value> {
+    let out = std::process::Command::new("bpftool").args(args).output()?;
+    ensure!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.stdout.is_empty() {
+        return Ok(Value::Null);
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
 }

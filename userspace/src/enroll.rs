@@ -74,6 +74,9 @@ pub fn enroll_netns(
     interfaces: Option<&[String]>,
 ) -> Result<Enrolled, EnrollError> {
     policy.validate()?;
+    if policy.sk_msg {
+        crate::btf::sock_offsets().map_err(EnrollError::SkMsgUnsupported)?;
+    }
     let layout = PinLayout::new(pin_root);
     let netns_cookie = netns.cookie()?;
     let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);

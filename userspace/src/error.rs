@@ -106,6 +106,8 @@ pub enum LoadError {
         path: PathBuf,
         changes: String,
     },
+    #[error("re-seeding the replaced counters map for the enrolled pods: {0}")]
+    ReseedCounters(#[source] MapsError),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -198,4 +200,9 @@ pub enum EnrollError {
     /// already belong to another pod).
     #[error("istio.io/reroute-virtual-interfaces: {0}")]
     Reroute(String),
+    /// sk_msg needs `struct sock` offsets from the kernel's BTF to bound the peer's queue.
+    #[error(
+        "sk_msg cannot be enabled on this kernel: {0}. Without them it could not bound what it queues on the proxy's socket; enrol without --sk-msg (sidestep.io/sk-msg)"
+    )]
+    SkMsgUnsupported(String),
 }

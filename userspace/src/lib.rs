@@ -3,6 +3,7 @@
 
 pub mod addrfollow;
 pub mod agent;
+pub mod btf;
 pub mod enroll;
 pub mod error;
 pub mod features;

@@ -209,6 +209,20 @@ fn load_inner(
     let mut loader = EbpfLoader::new();
     let tc_netns_cookie = u8::from(support.tc_netns_cookie);
     loader.override_global(globals::TC_NETNS_COOKIE, &tc_netns_cookie, true);
+    // sk_msg caps the peer's queue by reading kernel struct fields at these offsets. Unresolved,
+    // they stay 0 and the program redirects nothing (enrolment refuses sk_msg then, too).
+    let (msg_sk_redir, rmem_alloc, rcvbuf) = match crate::btf::sock_offsets() {
+        Ok(o) => (o.msg_sk_redir, o.rmem_alloc, o.rcvbuf),
+        Err(e) => {
+            tracing::warn!(
+                "sk_msg is unavailable: cannot resolve struct sock offsets ({e}); pods keep the TCP path"
+            );
+            (0, 0, 0)
+        }
+    };
+    loader.override_global(globals::SK_MSG_REDIR_OFFSET, &msg_sk_redir, true);
+    loader.override_global(globals::SK_RMEM_ALLOC_OFFSET, &rmem_alloc, true);
+    loader.override_global(globals::SK_RCVBUF_OFFSET, &rcvbuf, true);
     let map_paths: Vec<(&str, PathBuf)> =
         map_names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
     for (name, path) in &map_paths {
@@ -221,7 +235,18 @@ fn load_inner(
     let object = opts.object.as_deref().unwrap_or(BPF_OBJECT);
     // aya reuses a pinned map as it is; one whose layout changed would only surface as a
     // verifier rejection that names neither the map nor the fix.
-    check_pinned_maps(layout, object, opts.pod_capacity)?;
+    let replaced = check_pinned_maps(layout, object, opts.pod_capacity)?;
+    for stale in &replaced {
+        tracing::warn!(
+            map = stale.map,
+            changes = %stale.changes,
+            "layout changed; the pinned statistics map is replaced and its counts restart at 0"
+        );
+        fs::remove_file(&stale.path).map_err(|source| LoadError::Unpin {
+            path: stale.path.clone(),
+            source,
+        })?;
+    }
     let mut ebpf = loader.load(object).map_err(LoadError::Object)?;
     sys::failpoint("load:after-maps");
 
@@ -351,6 +376,9 @@ fn load_inner(
         })?;
     }
     sys::failpoint("load:after-links");
+    if !replaced.is_empty() {
+        reseed_counters(layout)?;
+    }
     tracing::info!(
         pin_root = %layout.root().display(),
         cgroup = %opts.cgroup.display(),
@@ -364,15 +392,29 @@ fn load_inner(
     })
 }
 
+/// Maps that hold statistics only: when a new version changes their layout, the pinned one is
+/// replaced by an empty one instead of refusing the upgrade (a new counter must not take a node
+/// out of the mesh until someone runs `sidestep unload`).
+const REPLACEABLE_ON_LAYOUT_CHANGE: [&str; 1] = [map_names::COUNTERS];
+
+/// A pinned map to replace, and why.
+struct StaleMap {
+    map: String,
+    path: PathBuf,
+    changes: String,
+}
+
 /// Refuses to reuse a pinned map whose type, key size, value size or flags differ from the
 /// object's: the programs would be verified against the old layout and rejected, or worse, read
 /// old values with the new layout. A changed capacity is reported too, except for the maps whose
 /// capacity `pod_capacity` sets at creation (the pinned size is then the operator's choice).
+/// Statistics maps are returned for replacement instead.
 fn check_pinned_maps(
     layout: &PinLayout,
     object: &[u8],
     pod_capacity: Option<u32>,
-) -> Result<(), LoadError> {
+) -> Result<Vec<StaleMap>, LoadError> {
+    let mut replace = Vec::new();
     let obj = aya_obj::Object::parse(object)
         .map_err(|e| LoadError::Object(aya::EbpfError::ParseError(e)))?;
     for (name, def) in &obj.maps {
@@ -420,13 +462,34 @@ fn check_pinned_maps(
                 info.max_entries()
             ));
         }
-        if !changes.is_empty() {
+        if changes.is_empty() {
+            continue;
+        }
+        let stale = StaleMap {
+            map: name.clone(),
+            path,
+            changes: changes.join(", "),
+        };
+        if !REPLACEABLE_ON_LAYOUT_CHANGE.contains(&name.as_str()) {
             return Err(LoadError::MapLayout {
-                map: name.clone(),
-                path,
-                changes: changes.join(", "),
+                map: stale.map,
+                path: stale.path,
+                changes: stale.changes,
             });
         }
+        replace.push(stale);
+    }
+    Ok(replace)
+}
+
+/// Every enrolled pod gets a zeroed entry in a counters map that was just replaced: the programs
+/// count only for pods that have one, as enrolment arranges.
+fn reseed_counters(layout: &PinLayout) -> Result<(), LoadError> {
+    let mut maps =
+        crate::maps::PolicyMaps::open(layout.root()).map_err(LoadError::ReseedCounters)?;
+    for (netns_cookie, _) in maps.pods() {
+        maps.zero_counters(netns_cookie)
+            .map_err(LoadError::ReseedCounters)?;
     }
     Ok(())
 }

@@ -120,6 +120,7 @@ pub struct CounterSummary {
     pub orig_dst_hits: u64,
     pub orig_dst_misses: u64,
     pub sk_msg_redirects: u64,
+    pub sk_msg_fallbacks: u64,
 }
 
 impl From<Counters> for CounterSummary {
@@ -133,6 +134,7 @@ impl From<Counters> for CounterSummary {
             orig_dst_hits: c.orig_dst_hits,
             orig_dst_misses: c.orig_dst_misses,
             sk_msg_redirects: c.sk_msg_redirects,
+            sk_msg_fallbacks: c.sk_msg_fallbacks,
         }
     }
 }
@@ -360,7 +362,7 @@ impl Status {
             );
             let _ = writeln!(
                 out,
-                "      redirected out {} in {} dns {}  passed out {} in {}  original-dst hits {} misses {}  sk_msg {}",
+                "      redirected out {} in {} dns {}  passed out {} in {}  original-dst hits {} misses {}  sk_msg {} (to TCP {})",
                 c.redirected_outbound,
                 c.redirected_inbound,
                 c.dns_redirected,
@@ -368,7 +370,8 @@ impl Status {
                 c.passed_inbound,
                 c.orig_dst_hits,
                 c.orig_dst_misses,
-                c.sk_msg_redirects
+                c.sk_msg_redirects,
+                c.sk_msg_fallbacks
             );
         }
         out

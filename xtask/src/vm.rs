@@ -119,6 +119,8 @@ pub fn test(
         // state a product claim are scaled by this in the VMs (tests/src/lib.rs, time_scale).
         // 10 was too tight for the fork-heavy paths (the agent's repairs took 20-40 s there).
         ("SIDESTEP_TEST_TIME_SCALE", TCG_TIME_SCALE.to_string()),
+        // Tests may change host-global settings (net.ipv4.tcp_mem) only where this is set.
+        ("SIDESTEP_IN_VM", "1".to_string()),
     ];
     // An unmodified ztunnel for tests/tests/ambient.rs, when the developer has one (the VM sees
     // the host's files).

@@ -22,11 +22,15 @@ pub mod map_names {
     pub const REROUTE_IFACES: &str = "SIDESTEP_RRIF";
     pub const REROUTE_NAT: &str = "SIDESTEP_RNAT";
     pub const POD_IDENTITY: &str = "SIDESTEP_NSID";
+    /// sk_msg's sticky "this socket takes the TCP path from now on" flag (socket storage).
+    /// Pinned so that an upgrade keeps it: a socket must never go back to redirecting.
+    pub const SK_MSG_TCP_ONLY: &str = "SIDESTEP_SKMSG";
     /// aya-log's ring buffer (its name is aya-log's). Pinned so that an upgrade keeps the one the
     /// agent reads.
     pub const LOGS: &str = "AYA_LOGS";
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         LOGS,
+        SK_MSG_TCP_ONLY,
         POD_IDENTITY,
         REROUTE_IFACES,
         REROUTE_NAT,
@@ -49,6 +53,14 @@ pub mod map_names {
 pub mod globals {
     /// `1` when tc programs may call bpf_get_netns_cookie (Linux 6.13+).
     pub const TC_NETNS_COOKIE: &str = "TC_NETNS_COOKIE";
+    /// Byte offset of `sk_rmem_alloc` (`sk_backlog.rmem_alloc.counter`) in `struct sock`, from
+    /// the running kernel's BTF. `0` (unresolved) makes sk_msg never redirect.
+    pub const SK_RMEM_ALLOC_OFFSET: &str = "SK_RMEM_ALLOC_OFFSET";
+    /// Byte offset of `sk_redir` in the kernel's `struct sk_msg` (sk_msg's context); `0` as
+    /// above.
+    pub const SK_MSG_REDIR_OFFSET: &str = "SK_MSG_REDIR_OFFSET";
+    /// Byte offset of `sk_rcvbuf` in `struct sock`; `0` as above.
+    pub const SK_RCVBUF_OFFSET: &str = "SK_RCVBUF_OFFSET";
 }
 
 pub mod program_names {
@@ -471,6 +483,9 @@ pub struct Counters {
     pub orig_dst_misses: u64,
     /// Messages sk_msg handed straight to the peer socket.
     pub sk_msg_redirects: u64,
+    /// Sockets sk_msg switched to the TCP path for good: the peer's queue was over the cap, or
+    /// the peer was not in the sockhash.
+    pub sk_msg_fallbacks: u64,
 }
 
 impl Counters {
@@ -483,6 +498,7 @@ impl Counters {
         self.orig_dst_hits += other.orig_dst_hits;
         self.orig_dst_misses += other.orig_dst_misses;
         self.sk_msg_redirects += other.sk_msg_redirects;
+        self.sk_msg_fallbacks += other.sk_msg_fallbacks;
     }
 }
 

@@ -35,6 +35,11 @@ pub static SIDESTEP_STATS: PerCpuHashMap<u64, Counters, { capacity::PODS as usiz
 #[btf_map]
 pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 
+/// sk_msg's sticky switch: a socket with an entry here never has its messages redirected again
+/// (see `skmsg.rs`). Socket-local storage, freed with the socket.
+#[btf_map]
+pub static SIDESTEP_SKMSG: SkStorage<u32> = SkStorage::new();
+
 /// Hand-over from the redirected connect (or inbound capture) to the proxy's accepted socket,
 /// keyed by the 4-tuple both ends share. An inbound record lives until the proxy's socket is
 /// established and claims it. An app connection's record is read in place by SO_ORIGINAL_DST and

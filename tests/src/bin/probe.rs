@@ -24,6 +24,11 @@
 //! probe raw                          try raw IPv4/IPv6 and AF_PACKET sockets, print the errnos
 //! probe hold ADDR                    keep accepted connections open (echo), print accepts and closes
 //! probe origdst-echo ADDR[,ADDR...]  answer each connection with its SO_ORIGINAL_DST, then close
+//! probe slow-sink ADDR [--sleep-ms N] [--echo]
+//!     a sidecar stand-in for sk_msg tests: one connection, read after N ms and check the
+//!     counter pattern, or echo (probe/bulk.rs)
+//! probe bulk-write ADDR BYTES        write BYTES of the counter pattern as fast as possible
+//! probe ping-pong ADDR ROUNDS SIZE   SIZE bytes out and back, ROUNDS times, on one connection
 //! probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D]
 //!     N short connections to ADDR's port + i % P, each checked against an origdst-echo answer
 //! probe istio-validate [--v6] [--timeout-ms N]    Istio's istio-validation (exit 0 or 126)
@@ -35,6 +40,8 @@
 
 // A binary's modules would be found beside it in src/bin/ and be taken for binaries themselves,
 // hence the explicit paths.
+#[path = "probe/bulk.rs"]
+mod bulk;
 #[path = "probe/bypass.rs"]
 mod bypass;
 #[path = "probe/craft.rs"]
@@ -148,6 +155,29 @@ fn main() {
             ),
         ),
         Some("hold") => hold(addr(1)),
+        Some("slow-sink") => bulk::slow_sink(
+            addr(1),
+            Duration::from_millis(
+                option("--sleep-ms")
+                    .map(|ms| ms.parse().expect("probe: --sleep-ms takes milliseconds"))
+                    .unwrap_or(0),
+            ),
+            flag("--echo"),
+        ),
+        Some("bulk-write") => bulk::bulk_write(
+            addr(1),
+            args.get(2)
+                .and_then(|n| n.parse().ok())
+                .expect("probe: bulk-write ADDR BYTES"),
+        ),
+        Some("ping-pong") => {
+            let n = |i: usize| -> u64 {
+                args.get(i)
+                    .and_then(|n| n.parse().ok())
+                    .expect("probe: ping-pong ADDR ROUNDS SIZE")
+            };
+            bulk::ping_pong(addr(1), n(2), n(3) as usize)
+        }
         Some("origdst-echo") => {
             let addrs: Vec<SocketAddr> = args
                 .get(1)

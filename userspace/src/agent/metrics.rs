@@ -97,7 +97,7 @@ type PodFamily = Family<PodLabels, Counter>;
 
 type Field = fn(&PodCounters) -> u64;
 
-const POD_COUNTERS: [(&str, &str, Field); 8] = [
+const POD_COUNTERS: [(&str, &str, Field); 9] = [
     (
         "sidestep_pod_redirected_outbound",
         "Outbound connections sent to the proxy",
@@ -137,6 +137,11 @@ const POD_COUNTERS: [(&str, &str, Field); 8] = [
         "sidestep_pod_sk_msg_redirects",
         "Messages sk_msg handed from socket to socket (pods with sidestep.io/sk-msg)",
         |c| c.sk_msg_redirects,
+    ),
+    (
+        "sidestep_pod_sk_msg_fallbacks",
+        "Sockets sk_msg switched to the TCP path for good (the proxy's queue was full, or no peer)",
+        |c| c.sk_msg_fallbacks,
     ),
 ];
 

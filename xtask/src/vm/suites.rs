@@ -22,6 +22,8 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     // Istio ambient mode: its parity table, and the agent handing pods to a ztunnel stand-in.
     ("parity_ambient", &[]),
     ("ambient", &[]),
+    // sk_msg's sticky fallback under bulk writes (reads kernel struct fields at BTF offsets).
+    ("skmsg_bulk", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.
