@@ -4,7 +4,11 @@
 
 use anyhow::{Result, ensure};
 use serde_json::Value;
-use sidestep_tests::{Node, NodeOptions, TestEnv, sidestep::sidestep, skip_unless_root};
+use sidestep_tests::{
+    Node, NodeOptions, TestEnv,
+    sidestep::{Loaded, sidestep},
+    skip_unless_root,
+};
 
 fn map_entries(pin_root: &std::path::Path, map: &str) -> Result<usize> {
     let path = pin_root.join("maps").join(map).display().to_string();
@@ -102,21 +106,11 @@ fn an_upgrade_replaces_a_counters_map_of_an_older_layout() -> Result<()> {
     let pods = [node.add_pod("a")?, node.add_pod("b")?];
     let root = env.pin_root().display().to_string();
     let cgroup = env.cgroup_path().display().to_string();
-    let load = || sidestep(&["load", "--cgroup", &cgroup, "--pin-root", &root]);
-    load()?;
+    let loaded = Loaded::load(&env)?;
     for pod in &pods {
-        let netns = pod.netns_path.display().to_string();
-        let ip = pod.ipv4.to_string();
-        sidestep(&[
-            "enroll",
-            "--pin-root",
-            &root,
-            "--netns",
-            &netns,
-            "--pod-ip",
-            &ip,
-        ])?;
+        loaded.enroll(pod, &[])?;
     }
+    let load = || sidestep(&["load", "--cgroup", &cgroup, "--pin-root", &root]);
     // What an older release pinned: the same map with a smaller value.
     let counters = env.pin_root().join("maps/SIDESTEP_STATS");
     let path = counters.display().to_string();
@@ -174,7 +168,7 @@ fn an_upgrade_replaces_a_counters_map_of_an_older_layout() -> Result<()> {
     ])?;
     let err = load().expect_err("a pod map of another layout was taken over");
     ensure!(format!("{err:#}").contains("layout changed"), "{err:#}");
-    sidestep(&["unload", "--pin-root", &root])?;
+    loaded.unload()?;
     Ok(())
 }
 

@@ -38,6 +38,9 @@ pub struct CgroupProgram {
     pub attach_type: bpf_attach_type,
 }
 
+/// In attach (and upgrade) order: getsockopt before sockops, because each new getsockopt answers
+/// for the records both the old and the new sockops leave, while the old getsockopt cannot read
+/// the new sockops' (an upgrade stopped between the two would leave proxies without an answer).
 pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
     CgroupProgram {
         name: program_names::CONNECT4,
@@ -80,14 +83,14 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
         attach_type: bpf_attach_type::BPF_CGROUP_UDP6_RECVMSG,
     },
     CgroupProgram {
-        name: program_names::SOCK_OPS,
-        attach_point: "sockops",
-        attach_type: bpf_attach_type::BPF_CGROUP_SOCK_OPS,
-    },
-    CgroupProgram {
         name: program_names::GETSOCKOPT,
         attach_point: "getsockopt",
         attach_type: bpf_attach_type::BPF_CGROUP_GETSOCKOPT,
+    },
+    CgroupProgram {
+        name: program_names::SOCK_OPS,
+        attach_point: "sockops",
+        attach_type: bpf_attach_type::BPF_CGROUP_SOCK_OPS,
     },
 ];
 
@@ -236,6 +239,13 @@ fn load_inner(
     // aya reuses a pinned map as it is; one whose layout changed would only surface as a
     // verifier rejection that names neither the map nor the fix.
     let replaced = check_pinned_maps(layout, object, opts.pod_capacity)?;
+    if !replaced.is_empty()
+        && opts.pod_capacity.is_none()
+        && let Some(pods) = pinned_max_entries(layout, map_names::POD_POLICY)
+    {
+        // The replacement holds one entry per pod, as many as the pinned pod map.
+        loader.map_max_entries(map_names::COUNTERS, pods);
+    }
     for stale in &replaced {
         tracing::warn!(
             map = stale.map,
@@ -376,9 +386,9 @@ fn load_inner(
         })?;
     }
     sys::failpoint("load:after-links");
-    if !replaced.is_empty() {
-        reseed_counters(layout)?;
-    }
+    // On every load, not only the one that replaced the map: a load that stopped after the
+    // replacement leaves the next one nothing to notice.
+    reseed_counters(layout)?;
     tracing::info!(
         pin_root = %layout.root().display(),
         cgroup = %opts.cgroup.display(),
@@ -482,16 +492,21 @@ fn check_pinned_maps(
     Ok(replace)
 }
 
-/// Every enrolled pod gets a zeroed entry in a counters map that was just replaced: the programs
-/// count only for pods that have one, as enrolment arranges.
+/// Every enrolled pod has an entry in the counters map (the programs count only for pods that
+/// have one, as enrolment arranges), also after the map was replaced; existing counts stay.
 fn reseed_counters(layout: &PinLayout) -> Result<(), LoadError> {
     let mut maps =
         crate::maps::PolicyMaps::open(layout.root()).map_err(LoadError::ReseedCounters)?;
     for (netns_cookie, _) in maps.pods() {
-        maps.zero_counters(netns_cookie)
+        maps.ensure_counters(netns_cookie)
             .map_err(LoadError::ReseedCounters)?;
     }
     Ok(())
+}
+
+fn pinned_max_entries(layout: &PinLayout, map: &str) -> Option<u32> {
+    let info = aya::maps::MapData::from_pin(layout.map(map)).and_then(|m| m.info());
+    info.ok().map(|i| i.max_entries())
 }
 
 /// Switches every pod's pinned tc and sk_lookup link to the newly loaded program

@@ -258,13 +258,29 @@ impl PolicyMaps {
         total
     }
 
+    /// A zeroed entry for a pod that has none; an existing one keeps its counts.
+    pub fn ensure_counters(&mut self, netns_cookie: u64) -> Result<(), MapsError> {
+        // BPF_NOEXIST.
+        match self.insert_zeroed(netns_cookie, 1) {
+            Err(MapsError::Access {
+                source: MapError::SyscallError(e),
+                ..
+            }) if e.io_error.raw_os_error() == Some(libc::EEXIST) => Ok(()),
+            other => other,
+        }
+    }
+
     pub fn zero_counters(&mut self, netns_cookie: u64) -> Result<(), MapsError> {
+        self.insert_zeroed(netns_cookie, 0)
+    }
+
+    fn insert_zeroed(&mut self, netns_cookie: u64, flags: u64) -> Result<(), MapsError> {
         let cpus =
             aya::util::nr_cpus().map_err(|(what, e)| MapsError::Cpus(format!("{what}: {e}")))?;
         let values = PerCpuValues::try_from(vec![Counters::default(); cpus])
             .map_err(|e| MapsError::Cpus(e.to_string()))?;
         self.counters
-            .insert(netns_cookie, values, 0)
+            .insert(netns_cookie, values, flags)
             .map_err(|source| classify(map_names::COUNTERS, self.pod_capacity, source))
     }
 }

@@ -14,6 +14,7 @@ pub mod map_names {
     pub const COUNTERS: &str = "SIDESTEP_STATS";
     pub const SOCKET_ORIG_DST: &str = "SIDESTEP_ORIG";
     pub const PENDING_ORIG_DST: &str = "SIDESTEP_PEND";
+    pub const LINGERING_ORIG_DST: &str = "SIDESTEP_LING";
     pub const POD_ADDRESSES: &str = "SIDESTEP_ADDRS";
     pub const SOCKETS: &str = "SIDESTEP_SOCKS";
     pub const LISTENERS: &str = "SIDESTEP_LSTN";
@@ -28,7 +29,7 @@ pub mod map_names {
     /// aya-log's ring buffer (its name is aya-log's). Pinned so that an upgrade keeps the one the
     /// agent reads.
     pub const LOGS: &str = "AYA_LOGS";
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         LOGS,
         SK_MSG_TCP_ONLY,
         POD_IDENTITY,
@@ -45,6 +46,7 @@ pub mod map_names {
         COUNTERS,
         SOCKET_ORIG_DST,
         PENDING_ORIG_DST,
+        LINGERING_ORIG_DST,
     ];
 }
 
@@ -94,8 +96,10 @@ pub mod capacity {
     pub const ADDRESSES: u32 = 4 * PODS;
     pub const PORT_RULES: u32 = 65536;
     pub const CIDR_RULES: u32 = 65536;
-    /// Tuples between the client's SYN and the proxy's accept. Entries live for one handshake.
+    /// Hand-over records: inbound ones for one handshake, an app connection's until it closes.
     pub const PENDING: u32 = 65536;
+    /// App connections that closed before their proxy asked for the original destination.
+    pub const LINGERING: u32 = 16384;
     /// App and proxy sockets of local redirected connections, for sk_msg (two per connection).
     pub const SOCKETS: u32 = 65536;
     pub const INTERFACES: u32 = 4 * PODS;
@@ -569,7 +573,7 @@ mod tests {
         assert_eq!(align_of::<CidrKey>(), 4);
         assert_eq!(size_of::<OrigDst>(), 24);
         assert_eq!(size_of::<TupleKey>(), 48);
-        assert_eq!(size_of::<Counters>(), 64);
+        assert_eq!(size_of::<Counters>(), 72);
         assert_eq!(size_of::<RerouteIfKey>(), 12);
         assert_eq!(size_of::<RerouteIf>(), 48);
     }

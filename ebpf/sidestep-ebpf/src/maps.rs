@@ -41,12 +41,19 @@ pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 pub static SIDESTEP_SKMSG: SkStorage<u32> = SkStorage::new();
 
 /// Hand-over from the redirected connect (or inbound capture) to the proxy's accepted socket,
-/// keyed by the 4-tuple both ends share. An inbound record lives until the proxy's socket is
-/// established and claims it. An app connection's record is read in place by SO_ORIGINAL_DST and
-/// goes when the app socket closes, if the proxy has read it by then; otherwise it stays until
-/// the next connection on its 4-tuple overwrites or drops it, or LRU evicts it.
+/// keyed by the 4-tuple both ends share. An inbound record (and a TPROXY passthrough one) lives
+/// until the accepting socket is established and claims it. An app connection's record is read in
+/// place by SO_ORIGINAL_DST and goes when the app socket closes: deleted if the proxy read it or
+/// the connection never got past SYN_SENT, otherwise moved to `SIDESTEP_LING`.
 #[btf_map]
 pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
+    LruHashMap::new();
+
+/// Records of app connections that closed before their proxy asked (as a conntrack entry
+/// outlives its socket), moved out of `SIDESTEP_PEND` so that however many a pod makes, they only
+/// evict one another, never a live connection's record. SO_ORIGINAL_DST looks here second.
+#[btf_map]
+pub static SIDESTEP_LING: LruHashMap<TupleKey, OrigDst, { capacity::LINGERING as usize }> =
     LruHashMap::new();
 
 /// Both ends of each local app <-> proxy connection of a pod with sk_msg on, keyed by the

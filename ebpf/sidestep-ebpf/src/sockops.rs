@@ -5,14 +5,15 @@
 //!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
 //! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim an inbound record into the socket's
 //!   storage; an outbound one stays where it is, SO_ORIGINAL_DST reads it there.
-//! - STATE_CB to TCP_CLOSE on a redirected client: drop its record once the proxy read it.
+//! - STATE_CB to TCP_CLOSE on a redirected client: drop its record once the proxy read it, or
+//!   keep an unread one aside in `SIDESTEP_LING`.
 
 use aya_ebpf::{
     EbpfContext,
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
         BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
-        BPF_SOCK_OPS_TCP_LISTEN_CB, BPF_TCP_CLOSE, bpf_sock_ops,
+        BPF_SOCK_OPS_TCP_LISTEN_CB, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT, bpf_sock_ops,
     },
     helpers::generated::bpf_get_netns_cookie,
     macros::sock_ops,
@@ -24,7 +25,7 @@ use sidestep_abi::{
 
 use crate::{
     context::{load, load_ip6},
-    maps::{SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
+    maps::{SIDESTEP_LING, SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
 };
 
 #[sock_ops]
@@ -63,8 +64,10 @@ unsafe fn handle(ctx: &SockOpsContext) {
             // SAFETY: args[1] is the new state for STATE_CB.
             let new_state = unsafe { load(&raw const (*ops).__bindgen_anon_1.args[1]) };
             if new_state == BPF_TCP_CLOSE {
+                // SAFETY: args[0] is the old state for STATE_CB.
+                let old_state = unsafe { load(&raw const (*ops).__bindgen_anon_1.args[0]) };
                 // SAFETY: forwarded from our caller.
-                unsafe { on_client_closed(ctx) };
+                unsafe { on_client_closed(ctx, old_state == BPF_TCP_SYN_SENT) };
             }
         }
         _ => {}
@@ -157,33 +160,37 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     }
 }
 
-/// A redirected app socket closes: its record goes once the proxy has read it, as a conntrack
-/// entry outlives the socket until the connection is done. One nobody read yet stays, so that a
-/// proxy that accepts after the app closed still gets its answer; the next connection on the
-/// same 4-tuple overwrites it or `forget_stale_record` drops it, and the LRU evicts the rest. A
-/// TPROXY passthrough record always goes: it lets a SYN from the client's address past inbound
-/// capture, so it must not outlive its connection.
+/// A redirected app socket closes. Its record goes if the proxy has read it, if no proxy ever
+/// accepted the connection (it closed from SYN_SENT), or if it is a TPROXY passthrough record
+/// (which lets a SYN from the client's address past inbound capture). One the proxy has not read
+/// yet moves to `SIDESTEP_LING`, as a conntrack entry outlives its socket, so that a proxy that
+/// accepts after the app closed still gets its answer; there a pod that closes connections
+/// early can only evict other such records, never a live one.
 ///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
-unsafe fn on_client_closed(ctx: &SockOpsContext) {
+unsafe fn on_client_closed(ctx: &SockOpsContext, never_established: bool) {
     // SAFETY: forwarded from our caller.
     let Some(key) = (unsafe { client_tuple(ctx) }) else {
         return;
     };
-    // SAFETY: the value is read at once.
-    let done = unsafe { SIDESTEP_PEND.get(key) }.is_some_and(|record| {
-        record.side == socket_side::ASKED || record.kind == redirect_kind::TPROXY_PASSTHROUGH
-    });
-    if done {
-        let _ = SIDESTEP_PEND.remove(key);
+    // SAFETY: the value is copied out at once.
+    let Some(record) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
+        return;
+    };
+    let _ = SIDESTEP_PEND.remove(key);
+    if !never_established
+        && record.side != socket_side::ASKED
+        && record.kind != redirect_kind::TPROXY_PASSTHROUGH
+    {
+        let _ = SIDESTEP_LING.insert(key, record, 0);
     }
 }
 
-/// A connection that was not redirected, to a loopback address: an earlier redirected connection
-/// on the same 4-tuple whose record stayed (the app calling the proxy's port itself, from a
-/// reused port) must not lend it its original destination.
+/// A connection that was not redirected, to a loopback address: the record of an earlier
+/// redirected connection on the same 4-tuple that nobody read (the app calling the proxy's port
+/// itself, from a reused port) must not lend it its original destination.
 ///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
@@ -193,8 +200,14 @@ unsafe fn forget_stale_record(ctx: &SockOpsContext) {
     let Some(key) = (unsafe { client_tuple(ctx) }) else {
         return;
     };
-    if crate::policy::is_loopback(&key.server_addr) && SIDESTEP_PEND.get_ptr(key).is_some() {
+    if !crate::policy::is_loopback(&key.server_addr) {
+        return;
+    }
+    if SIDESTEP_PEND.get_ptr(key).is_some() {
         let _ = SIDESTEP_PEND.remove(key);
+    }
+    if SIDESTEP_LING.get_ptr(key).is_some() {
+        let _ = SIDESTEP_LING.remove(key);
     }
 }
 
@@ -235,6 +248,12 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
                 add_to_sockhash(ctx, key.netns_cookie, local, local_port, remote, remote_port)
             };
         }
+        return;
+    }
+    if orig.kind == redirect_kind::TPROXY_PASSTHROUGH {
+        // Its SYN is through; kept any longer, it would let a later SYN on the same 4-tuple
+        // from the client's address past inbound capture.
+        let _ = SIDESTEP_PEND.remove(key);
         return;
     }
     if orig.kind != redirect_kind::INBOUND && orig.kind != redirect_kind::REROUTE {

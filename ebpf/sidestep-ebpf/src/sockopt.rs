@@ -10,7 +10,7 @@ use sidestep_abi::{OrigDst, TupleKey, linux, socket_side, v4_mapped};
 
 use crate::{
     context::{load, load_ip6, store},
-    maps::{SIDESTEP_PEND, socket_orig_dst},
+    maps::{SIDESTEP_LING, SIDESTEP_PEND, socket_orig_dst},
     policy,
 };
 
@@ -164,12 +164,16 @@ unsafe fn accepted_orig_dst(sk: *mut bpf_sock, netns_cookie: u64) -> Option<Orig
         server_port: local_port as u16,
         _reserved: 0,
     };
-    let record = SIDESTEP_PEND.get_ptr_mut(key)?;
-    // SAFETY: a live map value; a racing reader sees either side, and both answer the same.
-    unsafe {
-        (*record).side = socket_side::ASKED;
-        Some(*record)
+    if let Some(record) = SIDESTEP_PEND.get_ptr_mut(key) {
+        // SAFETY: a live map value; a racing reader sees either side, and both answer the same.
+        return unsafe {
+            (*record).side = socket_side::ASKED;
+            Some(*record)
+        };
     }
+    // The app closed before this proxy asked.
+    // SAFETY: the value is copied out at once.
+    unsafe { SIDESTEP_LING.get(key) }.copied()
 }
 
 /// # Safety

@@ -29,14 +29,19 @@ pub fn figures(reports: &[Report]) -> Vec<(HeadlineFigure, Vec<Option<f64>>)> {
     let Some(first) = reports.first() else {
         return Vec::new();
     };
+    // By label: a repeat that lacks a metric has fewer figures, and must not shift the others.
     first
         .headline_figures()
         .into_iter()
-        .enumerate()
-        .map(|(i, f)| {
+        .map(|f| {
             let vals = reports
                 .iter()
-                .map(|r| r.headline_figures().get(i).and_then(|g| g.value))
+                .map(|r| {
+                    r.headline_figures()
+                        .into_iter()
+                        .find(|g| g.label == f.label)
+                        .and_then(|g| g.value)
+                })
                 .collect();
             (f, vals)
         })
