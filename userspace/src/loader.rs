@@ -38,9 +38,6 @@ pub struct CgroupProgram {
     pub attach_type: bpf_attach_type,
 }
 
-/// In attach (and upgrade) order: getsockopt before sockops, because each new getsockopt answers
-/// for the records both the old and the new sockops leave, while the old getsockopt cannot read
-/// the new sockops' (an upgrade stopped between the two would leave proxies without an answer).
 pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
     CgroupProgram {
         name: program_names::CONNECT4,
@@ -83,14 +80,14 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
         attach_type: bpf_attach_type::BPF_CGROUP_UDP6_RECVMSG,
     },
     CgroupProgram {
-        name: program_names::GETSOCKOPT,
-        attach_point: "getsockopt",
-        attach_type: bpf_attach_type::BPF_CGROUP_GETSOCKOPT,
-    },
-    CgroupProgram {
         name: program_names::SOCK_OPS,
         attach_point: "sockops",
         attach_type: bpf_attach_type::BPF_CGROUP_SOCK_OPS,
+    },
+    CgroupProgram {
+        name: program_names::GETSOCKOPT,
+        attach_point: "getsockopt",
+        attach_type: bpf_attach_type::BPF_CGROUP_GETSOCKOPT,
     },
 ];
 

@@ -14,7 +14,6 @@ pub mod map_names {
     pub const COUNTERS: &str = "SIDESTEP_STATS";
     pub const SOCKET_ORIG_DST: &str = "SIDESTEP_ORIG";
     pub const PENDING_ORIG_DST: &str = "SIDESTEP_PEND";
-    pub const LINGERING_ORIG_DST: &str = "SIDESTEP_LING";
     pub const POD_ADDRESSES: &str = "SIDESTEP_ADDRS";
     pub const SOCKETS: &str = "SIDESTEP_SOCKS";
     pub const LISTENERS: &str = "SIDESTEP_LSTN";
@@ -29,7 +28,7 @@ pub mod map_names {
     /// aya-log's ring buffer (its name is aya-log's). Pinned so that an upgrade keeps the one the
     /// agent reads.
     pub const LOGS: &str = "AYA_LOGS";
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 16] = [
         LOGS,
         SK_MSG_TCP_ONLY,
         POD_IDENTITY,
@@ -46,7 +45,6 @@ pub mod map_names {
         COUNTERS,
         SOCKET_ORIG_DST,
         PENDING_ORIG_DST,
-        LINGERING_ORIG_DST,
     ];
 }
 
@@ -96,10 +94,8 @@ pub mod capacity {
     pub const ADDRESSES: u32 = 4 * PODS;
     pub const PORT_RULES: u32 = 65536;
     pub const CIDR_RULES: u32 = 65536;
-    /// Hand-over records: inbound ones for one handshake, an app connection's until it closes.
+    /// Tuples between the client's SYN and the proxy's accept. Entries live for one handshake.
     pub const PENDING: u32 = 65536;
-    /// App connections that closed before their proxy asked for the original destination.
-    pub const LINGERING: u32 = 16384;
     /// App and proxy sockets of local redirected connections, for sk_msg (two per connection).
     pub const SOCKETS: u32 = 65536;
     pub const INTERFACES: u32 = 4 * PODS;
@@ -389,10 +385,6 @@ pub mod socket_side {
     pub const CLIENT: u16 = 0;
     /// The proxy's accepted socket: getpeername reports the real peer.
     pub const ACCEPTED: u16 = 1;
-    /// A `SIDESTEP_PEND` record of an app's connection that the proxy's end has read
-    /// (SO_ORIGINAL_DST): the app socket's close may delete it. One nobody read yet stays, so a
-    /// proxy that accepts after the app closed still gets its answer.
-    pub const ASKED: u16 = 2;
 }
 
 /// Key of `SIDESTEP_PEND`: a TCP connection as both of its ends see it, client first.

@@ -29,8 +29,7 @@ pub static SIDESTEP_CIDRS: LpmTrie<CidrKey, u8, { capacity::CIDR_RULES as usize 
 pub static SIDESTEP_STATS: PerCpuHashMap<u64, Counters, { capacity::PODS as usize }> =
     PerCpuHashMap::new();
 
-/// The original destination of a redirected socket: on the app's end, and on the proxy's end of
-/// an inbound connection (the proxy's end of an app connection reads `SIDESTEP_PEND`).
+/// The original destination of a redirected socket, on both the app's and the proxy's end.
 /// Socket-local storage: the kernel frees it with the socket, so it cannot leak.
 #[btf_map]
 pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
@@ -40,20 +39,13 @@ pub static SIDESTEP_ORIG: SkStorage<OrigDst> = SkStorage::new();
 #[btf_map]
 pub static SIDESTEP_SKMSG: SkStorage<u32> = SkStorage::new();
 
-/// Hand-over from the redirected connect (or inbound capture) to the proxy's accepted socket,
-/// keyed by the 4-tuple both ends share. An inbound record (and a TPROXY passthrough one) lives
-/// until the accepting socket is established and claims it. An app connection's record is read in
-/// place by SO_ORIGINAL_DST and goes when the app socket closes: deleted if the proxy read it or
-/// the connection never got past SYN_SENT, otherwise moved to `SIDESTEP_LING`.
+/// Hand-over from the redirected connect to the proxy's accepted socket, keyed by the 4-tuple both
+/// ends share. An entry lives from the client's SYN until the proxy's socket is established or the
+/// client socket closes; LRU bounds it when neither happens. (The claim into the accepted
+/// socket's storage costs an allocation per connection but ties the record to the socket's
+/// lifetime; see docs/ARCHITECTURE.md, outbound data flow, step 3.)
 #[btf_map]
 pub static SIDESTEP_PEND: LruHashMap<TupleKey, OrigDst, { capacity::PENDING as usize }> =
-    LruHashMap::new();
-
-/// Records of app connections that closed before their proxy asked (as a conntrack entry
-/// outlives its socket), moved out of `SIDESTEP_PEND` so that however many a pod makes, they only
-/// evict one another, never a live connection's record. SO_ORIGINAL_DST looks here second.
-#[btf_map]
-pub static SIDESTEP_LING: LruHashMap<TupleKey, OrigDst, { capacity::LINGERING as usize }> =
     LruHashMap::new();
 
 /// Both ends of each local app <-> proxy connection of a pod with sk_msg on, keyed by the

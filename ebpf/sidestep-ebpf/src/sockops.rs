@@ -3,17 +3,15 @@
 //!
 //! - TCP_CONNECT_CB (the client's SYN is about to leave; its source port is known): publish the
 //!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
-//! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim an inbound record into the socket's
-//!   storage; an outbound one stays where it is, SO_ORIGINAL_DST reads it there.
-//! - STATE_CB to TCP_CLOSE on a redirected client: drop its record once the proxy read it, or
-//!   keep an unread one aside in `SIDESTEP_LING`.
+//! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim a pending entry into the socket's storage.
+//! - STATE_CB to TCP_CLOSE on a redirected client: drop an entry nobody claimed.
 
 use aya_ebpf::{
     EbpfContext,
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
         BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
-        BPF_SOCK_OPS_TCP_LISTEN_CB, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT, bpf_sock_ops,
+        BPF_SOCK_OPS_TCP_LISTEN_CB, BPF_TCP_CLOSE, bpf_sock_ops,
     },
     helpers::generated::bpf_get_netns_cookie,
     macros::sock_ops,
@@ -25,7 +23,7 @@ use sidestep_abi::{
 
 use crate::{
     context::{load, load_ip6},
-    maps::{SIDESTEP_LING, SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
+    maps::{SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
 };
 
 #[sock_ops]
@@ -64,10 +62,10 @@ unsafe fn handle(ctx: &SockOpsContext) {
             // SAFETY: args[1] is the new state for STATE_CB.
             let new_state = unsafe { load(&raw const (*ops).__bindgen_anon_1.args[1]) };
             if new_state == BPF_TCP_CLOSE {
-                // SAFETY: args[0] is the old state for STATE_CB.
-                let old_state = unsafe { load(&raw const (*ops).__bindgen_anon_1.args[0]) };
                 // SAFETY: forwarded from our caller.
-                unsafe { on_client_closed(ctx, old_state == BPF_TCP_SYN_SENT) };
+                if let Some(key) = unsafe { client_tuple(ctx) } {
+                    let _ = SIDESTEP_PEND.remove(key);
+                }
             }
         }
         _ => {}
@@ -141,12 +139,10 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     if sk.is_null() {
         return;
     }
-    // Only sockets that connect4/6 redirected carry storage.
+    // Only sockets that connect4/6 redirected carry storage; everything else stops here.
     // SAFETY: `sk` is this context's full socket.
     let orig = unsafe { socket_orig_dst(sk, None) };
     if orig.is_null() {
-        // SAFETY: forwarded from our caller.
-        unsafe { forget_stale_record(ctx) };
         return;
     }
     // SAFETY: non-null storage of this socket.
@@ -160,63 +156,6 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     }
 }
 
-/// A redirected app socket closes. Its record goes if the proxy has read it, if no proxy ever
-/// accepted the connection (it closed from SYN_SENT), or if it is a TPROXY passthrough record
-/// (which lets a SYN from the client's address past inbound capture). One the proxy has not read
-/// yet moves to `SIDESTEP_LING`, as a conntrack entry outlives its socket, so that a proxy that
-/// accepts after the app closed still gets its answer; there a pod that closes connections
-/// early can only evict other such records, never a live one.
-///
-/// # Safety
-/// `ctx` must be a live sock_ops context.
-#[inline(always)]
-unsafe fn on_client_closed(ctx: &SockOpsContext, never_established: bool) {
-    // SAFETY: forwarded from our caller.
-    let Some(key) = (unsafe { client_tuple(ctx) }) else {
-        return;
-    };
-    // SAFETY: the value is copied out at once.
-    let Some(record) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
-        return;
-    };
-    let _ = SIDESTEP_PEND.remove(key);
-    if !never_established
-        && record.side != socket_side::ASKED
-        && record.kind != redirect_kind::TPROXY_PASSTHROUGH
-    {
-        let _ = SIDESTEP_LING.insert(key, record, 0);
-    }
-}
-
-/// A connection that was not redirected, to a loopback address: the record of an earlier
-/// redirected connection on the same 4-tuple that nobody read (the app calling the proxy's port
-/// itself, from a reused port) must not lend it its original destination.
-///
-/// # Safety
-/// `ctx` must be a live sock_ops context.
-#[inline(always)]
-unsafe fn forget_stale_record(ctx: &SockOpsContext) {
-    // SAFETY: forwarded from our caller.
-    let Some(key) = (unsafe { client_tuple(ctx) }) else {
-        return;
-    };
-    if !crate::policy::is_loopback(&key.server_addr) {
-        return;
-    }
-    if SIDESTEP_PEND.get_ptr(key).is_some() {
-        let _ = SIDESTEP_PEND.remove(key);
-    }
-    if SIDESTEP_LING.get_ptr(key).is_some() {
-        let _ = SIDESTEP_LING.remove(key);
-    }
-}
-
-/// An accepted socket. Inbound capture's record (the client is off the pod, so no close of
-/// ours would remove it) moves into the socket's storage. An app connection's record stays where
-/// it is, for SO_ORIGINAL_DST to read in place (sockopt.rs) and the app socket's close to
-/// remove: no allocation per outbound connection. With sk_msg on, the proxy's end joins the
-/// sockhash.
-///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
@@ -236,36 +175,31 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
     let Some(mut orig) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
         return;
     };
+    orig.side = socket_side::ACCEPTED;
     // SAFETY: forwarded from our caller.
     let sk = unsafe { full_socket(ctx.ops) };
     if sk.is_null() {
         return;
     }
-    if orig.kind == redirect_kind::OUTBOUND {
-        if sk_msg_on(key.netns_cookie) {
-            // SAFETY: forwarded from our caller, on a full socket.
-            unsafe {
-                add_to_sockhash(ctx, key.netns_cookie, local, local_port, remote, remote_port)
-            };
-        }
-        return;
-    }
-    if orig.kind == redirect_kind::TPROXY_PASSTHROUGH {
-        // Its SYN is through; kept any longer, it would let a later SYN on the same 4-tuple
-        // from the client's address past inbound capture.
-        let _ = SIDESTEP_PEND.remove(key);
-        return;
-    }
-    if orig.kind != redirect_kind::INBOUND && orig.kind != redirect_kind::REROUTE {
-        return;
-    }
-    orig.side = socket_side::ACCEPTED;
     // SAFETY: `sk` is this context's full socket.
     let stored = unsafe { socket_orig_dst(sk, Some(&mut orig)) };
     if !stored.is_null() {
         // SAFETY: non-null storage of this socket; overwrite a value left from an earlier claim.
         unsafe { *stored = orig };
         let _ = SIDESTEP_PEND.remove(key);
+        if orig.kind == redirect_kind::OUTBOUND {
+            // SAFETY: forwarded from our caller.
+            unsafe {
+                add_to_sockhash(
+                    ctx,
+                    key.netns_cookie,
+                    local,
+                    local_port,
+                    remote,
+                    remote_port,
+                )
+            };
+        }
     }
 }
 
@@ -321,19 +255,12 @@ unsafe fn on_established(ctx: &SockOpsContext) {
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
     // SAFETY: valid sock_ops context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    if sk_msg_on(netns_cookie) {
-        // SAFETY: forwarded from our caller.
-        unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
-    }
-}
-
-#[inline(always)]
-fn sk_msg_on(netns_cookie: u64) -> bool {
-    crate::policy::pod_policy(netns_cookie).is_some_and(|p| p.flags & flags::SK_MSG != 0)
+    // SAFETY: forwarded from our caller.
+    unsafe { add_to_sockhash(ctx, netns_cookie, local, local_port, remote, remote_port) };
 }
 
 /// # Safety
-/// `ctx` must be a live sock_ops context on a full socket of a pod with sk_msg on.
+/// `ctx` must be a live sock_ops context on a full socket.
 #[inline(always)]
 unsafe fn add_to_sockhash(
     ctx: &SockOpsContext,
@@ -343,6 +270,12 @@ unsafe fn add_to_sockhash(
     remote: [u32; 4],
     remote_port: u16,
 ) {
+    let Some(pod) = crate::policy::pod_policy(netns_cookie) else {
+        return;
+    };
+    if pod.flags & flags::SK_MSG == 0 {
+        return;
+    }
     let key = TupleKey {
         netns_cookie,
         client_addr: local,

@@ -3,14 +3,14 @@
 //! ENOENT for a connection sidestep did not redirect.
 
 use aya_ebpf::{
-    EbpfContext, bindings::bpf_sock, helpers::generated::bpf_get_netns_cookie,
-    macros::cgroup_sockopt, programs::SockoptContext,
+    EbpfContext, helpers::generated::bpf_get_netns_cookie, macros::cgroup_sockopt,
+    programs::SockoptContext,
 };
-use sidestep_abi::{OrigDst, TupleKey, linux, socket_side, v4_mapped};
+use sidestep_abi::linux;
 
 use crate::{
-    context::{load, load_ip6, store},
-    maps::{SIDESTEP_LING, SIDESTEP_PEND, socket_orig_dst},
+    context::{load, store},
+    maps::socket_orig_dst,
     policy,
 };
 
@@ -58,13 +58,8 @@ unsafe fn handle(ctx: &SockoptContext) {
     } else {
         linux::AF_INET6
     };
-    let orig = if orig.is_null() {
-        // SAFETY: `sk` is this context's socket, checked non-null.
-        unsafe { accepted_orig_dst(sk, netns_cookie) }
-    } else {
-        // SAFETY: non-null storage of this socket, copied out.
-        Some(unsafe { *orig })
-    };
+    // SAFETY: non-null storage of this socket, copied out.
+    let orig = (!orig.is_null()).then(|| unsafe { *orig });
     // Our record comes first: conntrack, if some rule loaded it, would name our own listener.
     let Some(orig) = orig.filter(|o| o.family == want_family) else {
         // SAFETY: 4-byte context field and socket field.
@@ -127,53 +122,6 @@ unsafe fn handle(ctx: &SockoptContext) {
         store(&raw mut (*so).retval, 0);
     }
     policy::count(netns_cookie, |c| c.orig_dst_hits += 1);
-}
-
-/// The original destination of the proxy's end of an app connection: the hand-over record its
-/// client's SYN left, read in place rather than claimed into the socket's storage, whose
-/// allocation and release cost more than the rest of the connection's programs together. The
-/// record is marked read, so that the app socket's close may remove it (sockops.rs).
-///
-/// # Safety
-/// `sk` must be the non-null socket of this getsockopt context.
-#[inline(always)]
-unsafe fn accepted_orig_dst(sk: *mut bpf_sock, netns_cookie: u64) -> Option<OrigDst> {
-    // SAFETY: readable fields of a full socket; every one read on every path so that each load
-    // keeps a constant offset.
-    let (family, local4, remote4, local6, remote6, local_port, remote_port_be) = unsafe {
-        (
-            load(&raw const (*sk).family),
-            load(&raw const (*sk).src_ip4),
-            load(&raw const (*sk).dst_ip4),
-            load_ip6(&raw const (*sk).src_ip6),
-            load_ip6(&raw const (*sk).dst_ip6),
-            load(&raw const (*sk).src_port),
-            load(&raw const (*sk).dst_port),
-        )
-    };
-    let (local, remote) = if family == u32::from(linux::AF_INET) {
-        (v4_mapped(local4), v4_mapped(remote4))
-    } else {
-        (local6, remote6)
-    };
-    let key = TupleKey {
-        netns_cookie,
-        client_addr: remote,
-        server_addr: local,
-        client_port: u16::from_be(remote_port_be),
-        server_port: local_port as u16,
-        _reserved: 0,
-    };
-    if let Some(record) = SIDESTEP_PEND.get_ptr_mut(key) {
-        // SAFETY: a live map value; a racing reader sees either side, and both answer the same.
-        return unsafe {
-            (*record).side = socket_side::ASKED;
-            Some(*record)
-        };
-    }
-    // The app closed before this proxy asked.
-    // SAFETY: the value is copied out at once.
-    unsafe { SIDESTEP_LING.get(key) }.copied()
 }
 
 /// # Safety
