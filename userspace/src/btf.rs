@@ -168,16 +168,21 @@ impl<'a> Btf<'a> {
             .is_some_and(|t| t.kind == KIND_INT && t.size_type == 4)
     }
 
-    fn sock_offsets(&self) -> Result<SockOffsets, String> {
-        let sock = self
-            .all
+    /// The struct called `name` that has `member` (a name can belong to more than one type).
+    fn struct_with(&self, name: &[u8], member: &str) -> Option<Type> {
+        self.all
             .iter()
             .find(|t| {
                 t.kind == KIND_STRUCT
-                    && self.name(t.name_off) == b"sock"
-                    && self.member(**t, "__sk_common").is_some()
+                    && self.name(t.name_off) == name
+                    && self.member(**t, member).is_some()
             })
             .copied()
+    }
+
+    fn sock_offsets(&self) -> Result<SockOffsets, String> {
+        let sock = self
+            .struct_with(b"sock", "__sk_common")
             .ok_or("no struct sock")?;
         let (backlog_ty, backlog) = self
             .member(sock, "sk_backlog")
@@ -200,14 +205,7 @@ impl<'a> Btf<'a> {
             return Err("sk_rcvbuf is not a 4-byte int".into());
         }
         let msg = self
-            .all
-            .iter()
-            .find(|t| {
-                t.kind == KIND_STRUCT
-                    && self.name(t.name_off) == b"sk_msg"
-                    && self.member(**t, "sk_redir").is_some()
-            })
-            .copied()
+            .struct_with(b"sk_msg", "sk_redir")
             .ok_or("no struct sk_msg")?;
         let (redir_ty, msg_sk_redir) = self.member(msg, "sk_redir").ok_or("no sk_redir")?;
         if self.resolve(redir_ty).is_none_or(|t| t.kind != KIND_PTR) {
