@@ -22,10 +22,26 @@ pub fn body_for(pod: &str) -> String {
     format!("hello from {pod}\n")
 }
 
+/// What nginx writes per request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logging {
+    /// One access-log line per request (the tests read it to see the peer a request came from)
+    /// and `info` in error.log.
+    PerRequest,
+    /// No access log and only warnings: what the benchmark runs, so that no lane's figures
+    /// include a `write()` to disk per request and the dirty pages it leaves (hundreds of MiB
+    /// over a full run), as HAProxy's benchmark config has no per-connection log either.
+    ErrorsOnly,
+}
+
 /// Renders nginx.conf. `GET /` returns [`body_for`]; `GET /whoami` returns
 /// `remote=<addr>:<port> local=<addr>:<port>` as the server's socket sees them.
-pub fn render_config(prefix: &Path, pod: &str, port: u16, ipv6: bool) -> String {
+pub fn render_config(prefix: &Path, pod: &str, port: u16, ipv6: bool, logging: Logging) -> String {
     let p = prefix.display();
+    let (error_level, access_log) = match logging {
+        Logging::PerRequest => ("info", format!("{p}/access.log peers")),
+        Logging::ErrorsOnly => ("warn", "off".to_owned()),
+    };
     let body = body_for(pod).replace('\n', "\\n");
     let listen6 = if ipv6 {
         format!("listen [::]:{port} ipv6only=on;")
@@ -37,10 +53,10 @@ pub fn render_config(prefix: &Path, pod: &str, port: u16, ipv6: bool) -> String 
 master_process off;
 worker_processes 1;
 pid {p}/nginx.pid;
-error_log {p}/error.log info;
+error_log {p}/error.log {error_level};
 events {{ worker_connections 1024; }}
 http {{
-    access_log {p}/access.log;
+    access_log off;
     client_body_temp_path {p}/body;
     proxy_temp_path {p}/proxy;
     fastcgi_temp_path {p}/fastcgi;
@@ -50,7 +66,7 @@ http {{
     server {{
         listen 0.0.0.0:{port};
         {listen6}
-        access_log {p}/access.log peers;
+        access_log {access_log};
         default_type text/plain;
         location = /whoami {{ return 200 "remote=$remote_addr:$remote_port local=$server_addr:$server_port\n"; }}
         location / {{ return 200 "{body}"; }}
@@ -73,18 +89,28 @@ impl Server {
     /// Starts nginx in `pod` (and the test cgroup) on `0.0.0.0:<port>` and, when the pod has
     /// IPv6, `[::]:<port>` (ipv6only), after `nginx -t`; waits until both listen.
     pub fn start(env: &TestEnv, pod: &Pod, port: u16) -> Result<Self> {
-        Self::start_on(env, pod, port, None)
+        Self::start_on(env, pod, port, None, Logging::PerRequest)
     }
 
-    /// As [`Server::start`], pinned to `cpus` (the benchmark's layout).
-    pub fn start_on(env: &TestEnv, pod: &Pod, port: u16, cpus: Option<CpuSet>) -> Result<Self> {
+    /// As [`Server::start`], pinned to `cpus` (the benchmark's layout), logging as `logging`.
+    pub fn start_on(
+        env: &TestEnv,
+        pod: &Pod,
+        port: u16,
+        cpus: Option<CpuSet>,
+        logging: Logging,
+    ) -> Result<Self> {
         let ipv6 = netns::ipv6_enabled(&pod.netns_path);
         let prefix = env
             .tmp_dir()
             .join(format!("nginx-{}-{port}-{}", pod.name, env.next_seq()));
         fs::create_dir_all(&prefix).context("nginx prefix")?;
         let conf = prefix.join("nginx.conf");
-        fs::write(&conf, render_config(&prefix, &pod.name, port, ipv6)).context("nginx.conf")?;
+        fs::write(
+            &conf,
+            render_config(&prefix, &pod.name, port, ipv6, logging),
+        )
+        .context("nginx.conf")?;
         let prefix_s = prefix.to_str().context("non-UTF-8 temp path")?.to_owned();
         let conf_s = conf.to_str().context("non-UTF-8 temp path")?.to_owned();
         let errlog = format!("{prefix_s}/error.log");
@@ -152,5 +178,20 @@ impl Server {
 
     pub fn child(&mut self) -> &mut ChildGuard {
         &mut self.child
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_benchmark_config_writes_nothing_per_request() {
+        let prefix = Path::new("/x");
+        let tests = render_config(prefix, "p", 80, false, Logging::PerRequest);
+        assert!(tests.contains("access_log /x/access.log peers;"), "{tests}");
+        let bench = render_config(prefix, "p", 80, false, Logging::ErrorsOnly);
+        assert!(!bench.contains("access.log"), "{bench}");
+        assert!(bench.contains("error_log /x/error.log warn;"), "{bench}");
     }
 }

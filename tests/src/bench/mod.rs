@@ -20,6 +20,7 @@ pub mod cni;
 pub mod cpus;
 pub mod enrol;
 pub mod haproxy_cfg;
+pub mod machine;
 pub mod measure;
 pub mod netstat;
 pub mod repeats;
@@ -452,6 +453,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
                 let new_conn = w == Workload::NewConn;
                 let before = new_conn.then(|| tcp_counters(lane)).flatten();
                 let setup_before = new_conn.then(|| rounds::setup_counters(lane)).flatten();
+                let machine_before = new_conn.then(machine::read).flatten();
                 let outcome = measure::run(lane, w, cfg, cfg.run_secs);
                 if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (before, &outcome) {
                     health[lane.mode.index()].add(r.requests, b, lane);
@@ -459,12 +461,14 @@ pub fn run(cfg: &Config) -> Result<Report> {
                 if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (setup_before, &outcome)
                     && let Some(a) = rounds::setup_counters(lane)
                 {
+                    let machine = machine::read().zip(machine_before).map(|(a, b)| a.since(b));
                     round_tcp.push(rounds::RoundTcp {
                         round: round + 1,
                         mode: lane.mode,
                         rate: r.rate,
                         p99_us: r.p99_us,
                         c: a.since(b),
+                        machine,
                     });
                 }
                 if w == Workload::NewConn && lane.mode == Mode::Sidestep {

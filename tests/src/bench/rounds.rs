@@ -6,6 +6,7 @@
 use std::fmt::Write as _;
 
 use super::Mode;
+use super::machine::MachineCounters;
 use super::netstat::{self, SetupCounters};
 use super::report::fmt_num;
 use super::stats::median;
@@ -22,6 +23,8 @@ pub struct RoundTcp {
     pub p99_us: f64,
     /// Client and server pod together: deltas over the run, and the TIME_WAIT level after it.
     pub c: SetupCounters,
+    /// The whole machine over the run; None when /proc could not be read.
+    pub machine: Option<MachineCounters>,
 }
 
 /// Client and server pod's counters summed; None (logged) when a read fails.
@@ -41,45 +44,61 @@ pub fn setup_counters(lane: &Lane<'_>) -> Option<SetupCounters> {
 /// A column of the table, and a candidate cause of slow rounds.
 pub struct Counter {
     pub label: &'static str,
-    pub get: fn(&SetupCounters) -> Option<u64>,
+    pub get: fn(&RoundTcp) -> Option<u64>,
 }
 
-pub const COUNTERS: [Counter; 9] = [
+pub const COUNTERS: [Counter; 13] = [
     Counter {
         label: "SYN retransmits",
-        get: |c| Some(c.syn_retrans),
+        get: |r| Some(r.c.syn_retrans),
     },
     Counter {
         label: "ListenDrops",
-        get: |c| Some(c.listen_drops),
+        get: |r| Some(r.c.listen_drops),
     },
     Counter {
         label: "ListenOverflows",
-        get: |c| Some(c.listen_overflows),
+        get: |r| Some(r.c.listen_overflows),
     },
     Counter {
         label: "TW",
-        get: |c| Some(c.tw),
+        get: |r| Some(r.c.tw),
     },
     Counter {
         label: "TWRecycled",
-        get: |c| Some(c.tw_recycled),
+        get: |r| Some(r.c.tw_recycled),
     },
     Counter {
         label: "TCPTimeWaitOverflow",
-        get: |c| Some(c.tw_overflow),
+        get: |r| Some(r.c.tw_overflow),
     },
     Counter {
         label: "TIME_WAIT sockets after the run",
-        get: |c| Some(c.sockstat_tw),
+        get: |r| Some(r.c.sockstat_tw),
     },
     Counter {
         label: "conntrack insert_failed",
-        get: |c| c.ct_insert_failed,
+        get: |r| r.c.ct_insert_failed,
     },
     Counter {
         label: "conntrack drop",
-        get: |c| c.ct_drop,
+        get: |r| r.c.ct_drop,
+    },
+    Counter {
+        label: "CPU steal ‰",
+        get: |r| r.machine.map(|m| m.steal_permille()),
+    },
+    Counter {
+        label: "CPU iowait ‰",
+        get: |r| r.machine.map(|m| m.iowait_permille()),
+    },
+    Counter {
+        label: "CPU idle ‰",
+        get: |r| r.machine.map(|m| m.idle_permille()),
+    },
+    Counter {
+        label: "dirty + writeback after the run (MiB)",
+        get: |r| r.machine.map(|m| m.dirty_kib / 1024),
     },
 ];
 
@@ -125,7 +144,7 @@ pub fn finding(rows: &[RoundTcp], mode: Mode) -> Option<Finding> {
             let per_round = |v: &[&RoundTcp]| {
                 mean(
                     &v.iter()
-                        .filter_map(|r| (k.get)(&r.c))
+                        .filter_map(|r| (k.get)(r))
                         .map(|x| x as f64)
                         .collect::<Vec<_>>(),
                 )
@@ -199,7 +218,7 @@ pub fn section(rows: &[RoundTcp]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); and each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded). A rate marked ↓ is below the lane's median.\n"
+        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded); and the whole machine's share of CPU time (all CPUs, from `/proc/stat`) that was stolen by the hypervisor, spent waiting on I/O, or idle, in per mille of the run, with the page cache's Dirty + Writeback right after it (`/proc/meminfo`). A rate marked ↓ is below the lane's median.\n"
     );
     let _ = writeln!(
         o,
@@ -222,7 +241,7 @@ pub fn section(rows: &[RoundTcp]) -> String {
                 fmt_num(r.p99_us),
                 COUNTERS
                     .iter()
-                    .map(|k| cell((k.get)(&r.c)))
+                    .map(|k| cell((k.get)(r)))
                     .collect::<Vec<_>>()
                     .join(" | ")
             );
@@ -263,6 +282,7 @@ mod tests {
                 ct_insert_failed: Some(0),
                 ..Default::default()
             },
+            machine: None,
         }
     }
 
@@ -290,6 +310,33 @@ mod tests {
         );
         assert!(text.contains("| iptables | 1 | 2500 ↓ |"), "{text}");
         assert!(finding(&rows, Mode::Sidestep).is_none());
+    }
+
+    #[test]
+    fn slow_rounds_with_stolen_cpu_name_the_steal() {
+        let with_steal = |round, rate, steal| RoundTcp {
+            machine: Some(MachineCounters {
+                steal,
+                busy: 900,
+                total: 1000,
+                ..Default::default()
+            }),
+            ..row(round, rate, 0, 100)
+        };
+        let rows = vec![
+            with_steal(1, 5900.0, 2),
+            with_steal(2, 2500.0, 250),
+            with_steal(3, 5000.0, 10),
+        ];
+        let f = finding(&rows, Mode::Iptables).unwrap();
+        assert_eq!(f.higher_when_slow.len(), 1, "{f:?}");
+        assert_eq!(f.higher_when_slow[0].0, "CPU steal ‰");
+        assert!(explain(&f).contains("CPU steal ‰ (250 per round against 2.00)"));
+        assert!(
+            section(&rows).contains("| 250 | 0 | 100 | 0 |"),
+            "{}",
+            section(&rows)
+        );
     }
 
     #[test]

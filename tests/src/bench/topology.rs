@@ -196,7 +196,13 @@ impl<'e> Topology<'e> {
             }
             Mode::Direct | Mode::Explicit => {}
         }
-        let web = nginx::Server::start_on(env, &server, HTTP_PORT, cpus.set(CpuRole::Server))?;
+        let web = nginx::Server::start_on(
+            env,
+            &server,
+            HTTP_PORT,
+            cpus.set(CpuRole::Server),
+            nginx::Logging::ErrorsOnly,
+        )?;
         let ip = server.ipv4.to_string();
         let mut procs = Vec::new();
         let sp_port = SOCKPERF_PORT.to_string();
