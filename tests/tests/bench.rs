@@ -68,8 +68,11 @@ fn bench() -> Result<()> {
     if reports.len() > 1 {
         let sentence = repeats::readme_sentence(&reports);
         eprintln!("bench: README sentence: {sentence}");
-        // Only a full run speaks for the README; a quick one would put coarse ratios there.
-        if !cfg.quick {
+        // Only a full run with every repeat in it speaks for the README: a quick one would put
+        // coarse ratios there, and a range without a failed repeat would look tighter than it is.
+        if cfg.quick || reports.len() < repeat {
+            eprintln!("bench: README left alone (a quick run, or a repeat failed)");
+        } else {
             let readme = docs.join("../README.md");
             let text = fs::read_to_string(&readme).unwrap_or_default();
             if sections::section(&text, sections::REPEATS).is_some() {

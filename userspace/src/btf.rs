@@ -246,12 +246,13 @@ pub fn sock_offsets() -> Result<SockOffsets, String> {
     static CACHE: std::sync::OnceLock<Result<SockOffsets, String>> = std::sync::OnceLock::new();
     CACHE
         .get_or_init(|| {
-            // Lockdown's confidentiality mode takes bpf_probe_read_kernel away; a program that
-            // calls it would not load at all. With the offsets 0 the verifier never walks it.
-            let lockdown = std::fs::read_to_string("/sys/kernel/security/lockdown");
-            if lockdown.is_ok_and(|l| l.contains("[confidentiality]")) {
+            // A program calling a helper the kernel refuses would not load at all; with the
+            // offsets 0 the verifier never walks the call (the branch on them is dead).
+            if !crate::features::sk_msg_reads_kernel() {
                 return Err(
-                    "kernel lockdown (confidentiality) forbids reading kernel memory".into(),
+                    "the kernel refuses bpf_probe_read_kernel to sk_msg programs \
+                     (lockdown in confidentiality mode, or an LSM)"
+                        .into(),
                 );
             }
             sock_offsets_from(Path::new(VMLINUX))

@@ -125,6 +125,14 @@ pub fn tc_netns_cookie() -> bool {
     .unwrap_or(false)
 }
 
+/// Whether sk_msg programs may call bpf_probe_read_kernel, which the sk_msg back-pressure check
+/// needs. Lockdown's confidentiality mode takes it away, and so may an LSM; reading
+/// securityfs's lockdown file cannot tell from inside a pod that has no securityfs mounted, and a
+/// program calling a helper the kernel refuses fails the whole load.
+pub fn sk_msg_reads_kernel() -> bool {
+    is_helper_supported(ProgramType::SkMsg, BpfHelper::BPF_FUNC_probe_read_kernel).unwrap_or(false)
+}
+
 /// The kernel release, for messages.
 pub fn release() -> String {
     nix::sys::utsname::uname()

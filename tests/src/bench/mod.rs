@@ -405,6 +405,22 @@ fn record(
     }
 }
 
+/// `SIDESTEP_BENCH_NSTAT=1`: print every TCP counter that moved in each new-connection run.
+fn nstat_dump() -> bool {
+    std::env::var("SIDESTEP_BENCH_NSTAT").is_ok_and(|v| v == "1")
+}
+
+/// Client and server pod's counters summed, by name; empty when a read fails.
+fn nstat(lane: &topology::Lane<'_>) -> std::collections::BTreeMap<String, u64> {
+    let mut sum = std::collections::BTreeMap::new();
+    for pod in [&lane.client, &lane.server] {
+        for (k, v) in netstat::all_counters(pod).unwrap_or_default() {
+            *sum.entry(k).or_insert(0) += v;
+        }
+    }
+    sum
+}
+
 /// Builds the topology, runs the warm-up, the interleaved rounds, the bpf_stats windows and the
 /// enrol microbenchmark, and returns the report. Everything it made is gone when it returns.
 pub fn run(cfg: &Config) -> Result<Report> {
@@ -454,6 +470,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
                 let before = new_conn.then(|| tcp_counters(lane)).flatten();
                 let setup_before = new_conn.then(|| rounds::setup_counters(lane)).flatten();
                 let machine_before = new_conn.then(machine::read).flatten();
+                let nstat_before = (new_conn && nstat_dump()).then(|| nstat(lane));
                 let outcome = measure::run(lane, w, cfg, cfg.run_secs);
                 if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (before, &outcome) {
                     health[lane.mode.index()].add(r.requests, b, lane);
@@ -462,6 +479,24 @@ pub fn run(cfg: &Config) -> Result<Report> {
                     && let Some(a) = rounds::setup_counters(lane)
                 {
                     let machine = machine::read().zip(machine_before).map(|(a, b)| a.since(b));
+                    if let Some(before) = &nstat_before {
+                        let after = nstat(lane);
+                        let deltas: Vec<String> = after
+                            .iter()
+                            .filter_map(|(k, v)| {
+                                let d = v.saturating_sub(*before.get(k).unwrap_or(&0));
+                                (d > 0).then(|| format!("{k}={d}"))
+                            })
+                            .collect();
+                        eprintln!(
+                            "bench: nstat {} round {} ({} conn, p99 {} us): {}",
+                            lane.mode.label(),
+                            round + 1,
+                            r.requests,
+                            r.p99_us,
+                            deltas.join(" ")
+                        );
+                    }
                     round_tcp.push(rounds::RoundTcp {
                         round: round + 1,
                         mode: lane.mode,

@@ -183,6 +183,28 @@ pub fn setup_counters(pod: &Pod) -> Result<SetupCounters> {
     })
 }
 
+/// Every counter of `/proc/net/netstat` and `/proc/net/snmp` in `pod`'s netns, named
+/// `Prefix:Name` (e.g. `TcpExt:DelayedACKs`): for the diagnostic dump of
+/// `SIDESTEP_BENCH_NSTAT=1`, which prints each new-connection run's non-zero deltas.
+pub fn all_counters(pod: &Pod) -> Result<std::collections::BTreeMap<String, u64>> {
+    let mut out = std::collections::BTreeMap::new();
+    for file in ["netstat", "snmp"] {
+        let text = read_in(pod, file)?;
+        let lines: Vec<&str> = text.lines().collect();
+        for pair in lines.chunks(2) {
+            let [names, values] = pair else { continue };
+            let mut n = names.split_whitespace();
+            let Some(prefix) = n.next() else { continue };
+            for (name, value) in n.zip(values.split_whitespace().skip(1)) {
+                if let Ok(v) = value.parse::<u64>() {
+                    out.insert(format!("{prefix}{name}"), v);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// TIME_WAIT sockets in this netns now.
 pub fn time_wait(pod: &Pod) -> Result<u64> {
     let t = read_in(pod, "sockstat")?;
