@@ -29,7 +29,7 @@ pub enum Logging {
     /// and `info` in error.log.
     PerRequest,
     /// No access log and only warnings: what the benchmark runs, so that no lane's figures
-    /// include a `write()` to disk per request and the dirty pages it leaves (hundreds of MiB
+    /// include a `write()` to disk per request and the writeback it leaves (millions of lines
     /// over a full run), as HAProxy's benchmark config has no per-connection log either.
     ErrorsOnly,
 }

@@ -336,7 +336,7 @@ impl Report {
         let _ = writeln!(o, "## Modes\n");
         let _ = writeln!(
             o,
-            "Every mode has its own client pod and server pod on one Linux bridge, made by the real CNI plugins (bridge, host-local, loopback); all of them are set up once and measured in the same run. The server pod runs nginx (:80), `sockperf server` (:11111) and `iperf3 -s` (:5201). Sidecars are HAProxy in `mode tcp`, one thread, as UID 1337, with the same configuration in modes 2-7 (tests/src/bench/haproxy_cfg.rs).\n"
+            "Every mode has its own client pod and server pod on one Linux bridge, made by the real CNI plugins (bridge, host-local, loopback); all of them are set up once and measured in the same run. The server pod runs nginx (:80, no access log: a `write()` per request would put disk writeback into every lane's figures; tests/src/nginx.rs), `sockperf server` (:11111) and `iperf3 -s` (:5201). Sidecars are HAProxy in `mode tcp`, one thread, as UID 1337, with the same configuration in modes 2-7 and no per-connection log (tests/src/bench/haproxy_cfg.rs).\n"
         );
         let _ = writeln!(
             o,
