@@ -480,21 +480,13 @@ pub fn run(cfg: &Config) -> Result<Report> {
                 {
                     let machine = machine::read().zip(machine_before).map(|(a, b)| a.since(b));
                     if let Some(before) = &nstat_before {
-                        let after = nstat(lane);
-                        let deltas: Vec<String> = after
-                            .iter()
-                            .filter_map(|(k, v)| {
-                                let d = v.saturating_sub(*before.get(k).unwrap_or(&0));
-                                (d > 0).then(|| format!("{k}={d}"))
-                            })
-                            .collect();
                         eprintln!(
                             "bench: nstat {} round {} ({} conn, p99 {} us): {}",
                             lane.mode.label(),
                             round + 1,
                             r.requests,
                             r.p99_us,
-                            deltas.join(" ")
+                            netstat::grown(before, &nstat(lane))
                         );
                     }
                     round_tcp.push(rounds::RoundTcp {

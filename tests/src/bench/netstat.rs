@@ -2,20 +2,40 @@
 //! inside it), to show why a connection-setup figure is what it is: SYN retransmissions and
 //! TIME_WAIT sockets.
 
+use std::collections::BTreeMap;
 use std::fs;
 
 use anyhow::{Context, Result};
 
 use crate::pod::Pod;
 
-/// A `TcpExt:` counter from /proc/net/netstat text (a header line of names, then a line of
-/// values).
+/// Every counter of /proc/net/netstat or /proc/net/snmp text (per group, a header line of names,
+/// then a line of values with the same `Prefix:`), named `Prefix:Name`, e.g.
+/// `TcpExt:DelayedACKs`.
+pub fn parse_all(text: &str) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let mut lines = text.lines();
+    while let (Some(names), Some(values)) = (lines.next(), lines.next()) {
+        let mut names = names.split_whitespace();
+        let mut values = values.split_whitespace();
+        let (Some(prefix), Some(prefix_again)) = (names.next(), values.next()) else {
+            continue;
+        };
+        if prefix != prefix_again {
+            continue;
+        }
+        for (name, value) in names.zip(values) {
+            if let Ok(v) = value.parse() {
+                out.insert(format!("{prefix}{name}"), v);
+            }
+        }
+    }
+    out
+}
+
+/// One counter of /proc/net/netstat or /proc/net/snmp text, e.g. `("TcpExt:", "TW")`.
 pub fn parse_netstat(text: &str, prefix: &str, key: &str) -> Option<u64> {
-    let mut lines = text.lines().filter(|l| l.starts_with(prefix));
-    let names = lines.next()?;
-    let values = lines.next()?;
-    let i = names.split_whitespace().position(|n| n == key)?;
-    values.split_whitespace().nth(i)?.parse().ok()
+    parse_all(text).get(&format!("{prefix}{key}")).copied()
 }
 
 /// `tw` of the `TCP:` line of /proc/net/sockstat.
@@ -164,12 +184,16 @@ pub fn parse_conntrack_stat(text: &str, names: &[&str]) -> Option<Vec<u64>> {
 /// (the kernel keeps them per netns), read like the rest from a thread inside it; they are
 /// absent where the conntrack module is not loaded.
 pub fn setup_counters(pod: &Pod) -> Result<SetupCounters> {
-    let ext = read_in(pod, "netstat")?;
+    let ext = parse_all(&read_in(pod, "netstat")?);
     let sock = read_in(pod, "sockstat")?;
     let ct = read_in(pod, "stat/nf_conntrack")
         .ok()
         .and_then(|t| parse_conntrack_stat(&t, &["insert_failed", "drop"]));
-    let get = |k: &str| parse_netstat(&ext, "TcpExt:", k).with_context(|| format!("no TcpExt {k}"));
+    let get = |k: &str| {
+        ext.get(&format!("TcpExt:{k}"))
+            .copied()
+            .with_context(|| format!("no TcpExt {k}"))
+    };
     Ok(SetupCounters {
         syn_retrans: get("TCPSynRetrans")?,
         listen_drops: get("ListenDrops")?,
@@ -183,26 +207,24 @@ pub fn setup_counters(pod: &Pod) -> Result<SetupCounters> {
     })
 }
 
-/// Every counter of `/proc/net/netstat` and `/proc/net/snmp` in `pod`'s netns, named
-/// `Prefix:Name` (e.g. `TcpExt:DelayedACKs`): for the diagnostic dump of
-/// `SIDESTEP_BENCH_NSTAT=1`, which prints each new-connection run's non-zero deltas.
-pub fn all_counters(pod: &Pod) -> Result<std::collections::BTreeMap<String, u64>> {
-    let mut out = std::collections::BTreeMap::new();
-    for file in ["netstat", "snmp"] {
-        let text = read_in(pod, file)?;
-        let lines: Vec<&str> = text.lines().collect();
-        for pair in lines.chunks(2) {
-            let [names, values] = pair else { continue };
-            let mut n = names.split_whitespace();
-            let Some(prefix) = n.next() else { continue };
-            for (name, value) in n.zip(values.split_whitespace().skip(1)) {
-                if let Ok(v) = value.parse::<u64>() {
-                    out.insert(format!("{prefix}{name}"), v);
-                }
-            }
-        }
-    }
+/// Every counter of `/proc/net/netstat` and `/proc/net/snmp` in `pod`'s netns (see
+/// [`parse_all`]), for the diagnostic dump of `SIDESTEP_BENCH_NSTAT=1`.
+pub fn all_counters(pod: &Pod) -> Result<BTreeMap<String, u64>> {
+    let mut out = parse_all(&read_in(pod, "netstat")?);
+    out.extend(parse_all(&read_in(pod, "snmp")?));
     Ok(out)
+}
+
+/// The counters that grew from `before` to `after`, as `Name=delta` separated by spaces.
+pub fn grown(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> String {
+    after
+        .iter()
+        .filter_map(|(k, v)| {
+            let d = v.saturating_sub(before.get(k).copied().unwrap_or(0));
+            (d > 0).then(|| format!("{k}={d}"))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// TIME_WAIT sockets in this netns now.
@@ -214,6 +236,16 @@ pub fn time_wait(pod: &Pod) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_this_machines_counters() {
+        let ext = parse_all(&fs::read_to_string("/proc/net/netstat").unwrap());
+        let snmp = parse_all(&fs::read_to_string("/proc/net/snmp").unwrap());
+        assert!(ext.contains_key("TcpExt:TCPSynRetrans"), "{ext:?}");
+        assert!(ext.contains_key("IpExt:InOctets"), "{ext:?}");
+        assert!(snmp.contains_key("Tcp:AttemptFails"), "{snmp:?}");
+        assert!(snmp.contains_key("Udp:InDatagrams"), "{snmp:?}");
+    }
 
     #[test]
     fn counters() {
@@ -228,6 +260,10 @@ mod tests {
         );
         assert_eq!(parse_netstat(n, "TcpExt:", "TCPSynRetrans"), Some(17));
         assert_eq!(parse_netstat(n, "TcpExt:", "Nope"), None);
+        assert_eq!(parse_all(n).get("IpExt:InNoRoutes"), Some(&3));
+        let before = parse_all(n);
+        let after = parse_all("TcpExt: SyncookiesSent TCPSynRetrans TW\nTcpExt: 0 19 5\n");
+        assert_eq!(grown(&before, &after), "TcpExt:TCPSynRetrans=2");
         let s =
             "sockets: used 5\nTCP: inuse 3 orphan 0 tw 5420 alloc 4 mem 1\nUDP: inuse 0 mem 0\n";
         assert_eq!(parse_sockstat_tw(s), Some(5420));
