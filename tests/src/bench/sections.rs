@@ -7,8 +7,10 @@ use std::fmt::Write as _;
 use super::ambient::{AmbientBench, AmbientLane, AmbientWorkload};
 use super::cni::CniBench;
 use super::report::fmt_num;
-use super::scale::ScaleResult;
 use super::stats::{median, percentile};
+
+mod scale;
+pub use scale::{ScaleRatios, scale_section, scale_targets};
 
 pub const CNI: &str = "cni";
 pub const SCALE: &str = "scale";
@@ -91,32 +93,6 @@ pub fn cni_add_target(c: &CniBench, add_ms: &[f64]) -> (Option<f64>, Option<f64>
         _ => None,
     };
     (add, best, r)
-}
-
-/// Issue 6's scale targets: the last level's figures over the first's.
-pub struct ScaleRatios {
-    /// Pods enrolled at the last level.
-    pub pods: usize,
-    pub add_p99: Option<f64>,
-    pub add_p50: Option<f64>,
-    /// Per-connection loop time.
-    pub conn: Option<f64>,
-    pub del_p50: Option<f64>,
-}
-
-pub fn scale_targets(s: &ScaleResult) -> Option<ScaleRatios> {
-    let (first, last) = (s.levels.first()?, s.levels.last()?);
-    let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-        _ => None,
-    };
-    Some(ScaleRatios {
-        pods: last.pods,
-        add_p99: r(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0)),
-        add_p50: r(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0)),
-        conn: r(last.conn_us, first.conn_us),
-        del_p50: r(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0)),
-    })
 }
 
 pub fn cni_section(c: &CniBench, date: &str) -> String {
@@ -285,143 +261,6 @@ pub fn cni_section(c: &CniBench, date: &str) -> String {
             ms(p(&c.tcx_detach_ms, 50.0)),
             ms(add.zip(t50).map(|(a, t)| a - t)),
             ms(p(&c.version_ms, 50.0)),
-        );
-    }
-    o
-}
-
-pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
-    let mut o = String::new();
-    let _ = writeln!(o, "## Scale: 1, 100 and 1,000 pods\n");
-    let _ = writeln!(
-        o,
-        "{date}{}. Each level is its own pin root and cgroup with its pods enrolled through \
-         sidestep-cni (background pods are netns only); all levels exist at once and their \
-         samples are interleaved, so they share the machine's noise (and the kernel: netns, \
-         veths and TCX links of all levels count for all). {} rounds: per level one ADD on a \
-         fresh netns (a whole process) and its DEL, so the level holds; the first round is \
-         warm-up. Then {} windows per level, interleaved, of {} new connections one after \
-         another (`probe connect-many` as an app UID, redirected to `probe origdst-echo` on \
-         15001 as the proxy UID) with bpf_stats on; medians over the windows. Map memory is \
-         bytes_memlock summed over the pin root's maps (pod map capacity {}).\n",
-        if quick {
-            " (quick run: smaller levels and counts)"
-        } else {
-            ""
-        },
-        s.samples,
-        s.windows,
-        s.conns,
-        s.pod_capacity.map_or("?".into(), |c| c.to_string())
-    );
-    let mut progs: Vec<String> = s
-        .levels
-        .iter()
-        .flat_map(|l| l.prog_ns.iter().map(|(n, _, _)| n.clone()))
-        .collect();
-    progs.sort();
-    progs.dedup();
-    let _ = write!(
-        o,
-        "| pods enrolled | ADD p50 | ADD p99 | DEL p50 | µs per connection (loop) |"
-    );
-    for pn in &progs {
-        let _ = write!(o, " {pn} ns/call |");
-    }
-    let _ = writeln!(o, " map memlock |");
-    let _ = writeln!(
-        o,
-        "|---:|---:|---:|---:|---:|{}---:|",
-        "---:|".repeat(progs.len())
-    );
-    for l in &s.levels {
-        let _ = write!(
-            o,
-            "| {} | {} | {} | {} | {} |",
-            l.pods,
-            ms(p(&l.add_ms, 50.0)),
-            ms(p(&l.add_ms, 99.0)),
-            ms(p(&l.del_ms, 50.0)),
-            l.conn_us.map_or("—".into(), fmt_num)
-        );
-        for pn in &progs {
-            let v = l.prog_ns.iter().find(|(n, _, _)| n == pn).map(|x| x.1);
-            let _ = write!(o, " {} |", v.map_or("—".into(), fmt_num));
-        }
-        let _ = writeln!(
-            o,
-            " {} |",
-            l.memlock
-                .map_or("—".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0))
-        );
-    }
-    if let Some(ScaleRatios {
-        pods: last_pods,
-        add_p99: p99,
-        add_p50: p50,
-        conn,
-        del_p50: del,
-    }) = scale_targets(s)
-    {
-        let _ = writeln!(
-            o,
-            "\nTarget: ADD p99 at {} pods within 1.2× of the first pod's: {} — {} (p50 ratio {}). \
-             Per-connection cost flat: loop time ratio {} ({}).",
-            last_pods,
-            p99.map_or("—".into(), |x| format!("{x:.2}×")),
-            verdict_at_most(p99, 1.2),
-            p50.map_or("—".into(), |x| format!("{x:.2}×")),
-            conn.map_or("—".into(), |x| format!("{x:.2}×")),
-            verdict_at_most(conn, 1.2),
-        );
-        let _ = writeln!(
-            o,
-            "DEL p50 at {} pods is {} the first pod's{}.",
-            last_pods,
-            del.map_or("—".into(), |x| format!("{x:.2}×")),
-            if del.is_some_and(|x| x > 1.2) {
-                ": DEL still scans every pod's entries (the per-pod port, CIDR, address and \
-                 interface maps) and reads every attachment record of the state directory to \
-                 find other attachments of the netns, so it grows with the node"
-            } else {
-                ""
-            }
-        );
-        let (first, last) = (&s.levels[0], &s.levels[s.levels.len() - 1]);
-        let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-            _ => None,
-        };
-        for pn in &progs {
-            let get =
-                |l: &super::scale::Level| l.prog_ns.iter().find(|(n, _, _)| n == pn).map(|x| x.1);
-            let _ = writeln!(
-                o,
-                "{pn}: {} at {} pods vs {} at {} ({}).",
-                get(last).map_or("—".into(), |x| format!("{} ns", fmt_num(x))),
-                last.pods,
-                get(first).map_or("—".into(), |x| format!("{} ns", fmt_num(x))),
-                first.pods,
-                r(get(last), get(first)).map_or("—".into(), |x| format!("{x:.2}×")),
-            );
-        }
-        let _ = writeln!(
-            o,
-            "\nFill time (enrolling the background pods through the plugin): {}.",
-            s.levels
-                .iter()
-                .map(|l| format!("{:.0} s to {}", l.fill_secs, l.pods))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let _ = writeln!(
-            o,
-            "Median of every sample ADD: {}.",
-            s.levels
-                .iter()
-                .map(|l| format!("{} at {}", ms(median(&l.add_ms)), l.pods))
-                .collect::<Vec<_>>()
-                .join(", ")
         );
     }
     o
