@@ -62,6 +62,16 @@ pub struct Level {
     pub prog_windows: Vec<(String, f64, u64)>,
 }
 
+impl Level {
+    /// The loop's (ns per call, calls) of the program `name`, if it ran.
+    pub fn prog(&self, name: &str) -> Option<(f64, u64)> {
+        self.prog_ns
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, ns, calls)| (*ns, *calls))
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct ScaleResult {
     pub levels: Vec<Level>,

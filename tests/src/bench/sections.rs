@@ -88,11 +88,15 @@ pub fn verdict_at_most(ratio: Option<f64>, bar: f64) -> &'static str {
 pub fn cni_add_target(c: &CniBench, add_ms: &[f64]) -> (Option<f64>, Option<f64>, Option<f64>) {
     let add = p(add_ms, 50.0);
     let best = best_install_p50(c);
-    let r = match (add, best) {
+    (add, best, quotient(add, best))
+}
+
+/// a / b when both are known and b is positive.
+fn quotient(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
         _ => None,
-    };
-    (add, best, r)
+    }
 }
 
 pub fn cni_section(c: &CniBench, date: &str) -> String {

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use super::super::report::fmt_num;
 use super::super::scale::{Level, ScaleResult};
 use super::super::stats::median;
-use super::{ms, p, verdict_at_most};
+use super::{ms, p, quotient, verdict_at_most};
 
 /// Issue 6's scale targets: the last level's figures over the first's.
 pub struct ScaleRatios {
@@ -20,16 +20,12 @@ pub struct ScaleRatios {
 
 pub fn scale_targets(s: &ScaleResult) -> Option<ScaleRatios> {
     let (first, last) = (s.levels.first()?, s.levels.last()?);
-    let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-        _ => None,
-    };
     Some(ScaleRatios {
         pods: last.pods,
-        add_p99: r(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0)),
-        add_p50: r(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0)),
-        conn: r(last.conn_us, first.conn_us),
-        del_p50: r(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0)),
+        add_p99: quotient(p(&last.add_ms, 99.0), p(&first.add_ms, 99.0)),
+        add_p50: quotient(p(&last.add_ms, 50.0), p(&first.add_ms, 50.0)),
+        conn: quotient(last.conn_us, first.conn_us),
+        del_p50: quotient(p(&last.del_ms, 50.0), p(&first.del_ms, 50.0)),
     })
 }
 
@@ -89,7 +85,7 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
             l.conn_us.map_or("—".into(), fmt_num)
         );
         for pn in &progs {
-            let v = l.prog_ns.iter().find(|(n, _, _)| n == pn).map(|x| x.1);
+            let v = l.prog(pn).map(|(ns, _)| ns);
             let _ = write!(o, " {} |", v.map_or("—".into(), fmt_num));
         }
         let _ = writeln!(
@@ -132,12 +128,8 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
             }
         );
         let (first, last) = (&s.levels[0], &s.levels[s.levels.len() - 1]);
-        let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-            _ => None,
-        };
         for pn in &progs {
-            let get = |l: &Level| l.prog_ns.iter().find(|(n, _, _)| n == pn).map(|x| x.1);
+            let get = |l: &Level| l.prog(pn).map(|(ns, _)| ns);
             let _ = writeln!(
                 o,
                 "{pn}: {} at {} pods vs {} at {} ({}).",
@@ -145,7 +137,7 @@ pub fn scale_section(s: &ScaleResult, date: &str, quick: bool) -> String {
                 last.pods,
                 get(first).map_or("—".into(), |x| format!("{} ns", fmt_num(x))),
                 first.pods,
-                r(get(last), get(first)).map_or("—".into(), |x| format!("{x:.2}×")),
+                quotient(get(last), get(first)).map_or("—".into(), |x| format!("{x:.2}×")),
             );
         }
         o.push_str(&scale_programs_table(s, &all_progs));
@@ -208,11 +200,11 @@ fn scale_programs_table(s: &ScaleResult, progs: &[String]) -> String {
     for pn in progs {
         let _ = write!(o, "| `{pn}` |");
         for (i, l) in s.levels.iter().enumerate() {
-            match l.prog_ns.iter().find(|(n, _, _)| n == pn) {
-                Some((_, ns, calls)) => {
-                    let per_conn = *calls as f64 / loops as f64;
+            match l.prog(pn) {
+                Some((ns, calls)) => {
+                    let per_conn = calls as f64 / loops as f64;
                     totals[i] += ns * per_conn;
-                    let _ = write!(o, " {per_conn:.2} | {} |", fmt_num(*ns));
+                    let _ = write!(o, " {per_conn:.2} | {} |", fmt_num(ns));
                 }
                 None => {
                     let _ = write!(o, " — | — |");
