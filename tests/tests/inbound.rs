@@ -91,6 +91,18 @@ fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
                 .is_some_and(|v| v.len() == 1),
         "status row: {row}"
     );
+    // The two pods' identity programs are not pinned as programs; status still lists them, as
+    // one row that sums them.
+    let identity = status["programs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "sidestep_pod_id")
+        .context("no sidestep_pod_id row in status")?;
+    ensure!(
+        identity["instances"] == 2 && identity["id"] == 0,
+        "{hook}: identity row {identity}"
+    );
     let body = nginx::body_for("server");
 
     // The server is captured inbound and its sidecar is not up yet: the SYN is dropped, so even
@@ -214,6 +226,16 @@ fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
         "sk_lookup link left for the server"
     );
     ensure!(tc_links(&client)? == expected_tc);
+    let identities = status["programs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "sidestep_pod_id")
+        .map(|p| p["instances"].clone());
+    ensure!(
+        identities == Some(serde_json::json!(1)),
+        "identity programs after the server left: {identities:?}"
+    );
     Ok(())
 }
 

@@ -26,11 +26,13 @@ use sidestep_abi::program_names;
 
 use crate::pins::PinLayout;
 
+/// Where every pod's identity link is pinned.
+pub fn links_dir(layout: &PinLayout) -> PathBuf {
+    layout.links_dir().join("podid")
+}
+
 pub fn pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
-    layout
-        .links_dir()
-        .join("podid")
-        .join(netns_cookie.to_string())
+    links_dir(layout).join(netns_cookie.to_string())
 }
 
 const BPF_REG_0: u8 = 0;

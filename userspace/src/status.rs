@@ -9,7 +9,7 @@ use std::{
 
 use aya::programs::ProgramInfo;
 use serde::Serialize;
-use sidestep_abi::{Counters, PodPolicy, flags};
+use sidestep_abi::{Counters, PodPolicy, flags, program_names};
 
 use crate::{
     loader::{CGROUP_PROGRAMS, MAP_PROGRAMS, POD_PROGRAMS},
@@ -70,7 +70,10 @@ fn kernel_status(layout: &PinLayout) -> KernelStatus {
 #[derive(Debug, Serialize)]
 pub struct ProgramStatus {
     pub name: String,
+    /// 0 for a row that sums several programs.
     pub id: u32,
+    /// How many loaded programs the row sums: 1, except for the per-pod identity programs.
+    pub instances: u32,
     /// Filled only while `kernel.bpf_stats_enabled=1`.
     pub run_count: u64,
     pub run_time_ns: u64,
@@ -189,7 +192,8 @@ fn cgroup_path(id: u64) -> Option<PathBuf> {
     walk(&mounts::cgroup2_root().ok()?, id, 4)
 }
 
-/// The installation's pinned programs, with their run statistics.
+/// The installation's programs, with their run statistics: the pinned ones, then one row for
+/// the per-pod identity programs.
 pub fn programs(layout: &PinLayout) -> Vec<ProgramStatus> {
     CGROUP_PROGRAMS
         .iter()
@@ -201,11 +205,47 @@ pub fn programs(layout: &PinLayout) -> Vec<ProgramStatus> {
             Some(ProgramStatus {
                 name: name.to_string(),
                 id: info.id(),
+                instances: 1,
                 run_count: info.run_count(),
                 run_time_ns: info.run_time().as_nanos() as u64,
             })
         })
+        .chain(pod_identity_programs(layout))
         .collect()
+}
+
+/// The identity programs ([`crate::identity`]), one per pod with inbound capture, summed into one
+/// row. They are not pinned as programs, so they are found through their pinned links; without
+/// this row their cost (every inbound SYN runs one) would be missing from status and from any
+/// per-program sum built on it. None when no pod has one.
+fn pod_identity_programs(layout: &PinLayout) -> Option<ProgramStatus> {
+    let prog_ids: std::collections::HashSet<u32> = fs::read_dir(crate::identity::links_dir(layout))
+        .ok()?
+        .flatten()
+        .filter_map(|entry| {
+            let link = sys::obj_get(&entry.path()).ok()?;
+            sys::link_info(link.as_fd()).ok().map(|info| info.prog_id)
+        })
+        .collect();
+    if prog_ids.is_empty() {
+        return None;
+    }
+    let (run_count, run_time_ns) = aya::programs::loaded_programs()
+        .flatten()
+        .filter(|info| prog_ids.contains(&info.id()))
+        .fold((0u64, 0u64), |(count, ns), info| {
+            (
+                count + info.run_count(),
+                ns + info.run_time().as_nanos() as u64,
+            )
+        });
+    Some(ProgramStatus {
+        name: program_names::POD_IDENTITY.to_string(),
+        id: 0,
+        instances: prog_ids.len() as u32,
+        run_count,
+        run_time_ns,
+    })
 }
 
 /// The pinned cgroup links that can be read back: (attach point, link).
@@ -300,10 +340,16 @@ impl Status {
         );
         for p in &self.programs {
             let avg = p.run_time_ns.checked_div(p.run_count).unwrap_or(0);
+            // A summed row has no one id; it shows how many programs it sums instead.
+            let id = if p.id == 0 {
+                format!("{}×", p.instances)
+            } else {
+                p.id.to_string()
+            };
             let _ = writeln!(
                 out,
                 "  {:<24} {:>6} {:>12} {:>12}",
-                p.name, p.id, p.run_count, avg
+                p.name, id, p.run_count, avg
             );
         }
         let _ = writeln!(out, "\nATTACHMENTS ({}):", self.attachments.len());
@@ -375,5 +421,49 @@ impl Status {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn program(name: &str, id: u32, instances: u32) -> ProgramStatus {
+        ProgramStatus {
+            name: name.into(),
+            id,
+            instances,
+            run_count: 4,
+            run_time_ns: 400,
+        }
+    }
+
+    #[test]
+    fn a_summed_row_shows_its_count_in_place_of_an_id() {
+        let status = Status {
+            pin_root: "/sys/fs/bpf/x".into(),
+            loaded: true,
+            programs: vec![
+                program("sidestep_connect4", 769, 1),
+                program(program_names::POD_IDENTITY, 0, 250),
+            ],
+            attachments: Vec::new(),
+            pods: Vec::new(),
+            pod_capacity: 4096,
+            kernel: KernelStatus {
+                release: "6.12.0".into(),
+                tc_attach: Some("tcx".into()),
+                tc_netns_cookie: false,
+            },
+        };
+        let text = status.render();
+        assert!(text.contains("PROGRAMS (2):"), "{text}");
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with("sidestep_"))
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows[0], ["sidestep_connect4", "769", "4", "100"]);
+        assert_eq!(rows[1], ["sidestep_pod_id", "250×", "4", "100"]);
     }
 }

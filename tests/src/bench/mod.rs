@@ -27,6 +27,7 @@ pub mod repeats;
 pub mod report;
 pub mod rounds;
 pub mod scale;
+pub mod schedstat;
 pub mod sections;
 pub mod stats;
 pub mod sysinfo;
@@ -468,17 +469,15 @@ pub fn run(cfg: &Config) -> Result<Report> {
                 let lane = &topo.lanes[(k + round) % topo.lanes.len()];
                 let new_conn = w == Workload::NewConn;
                 let before = new_conn.then(|| tcp_counters(lane)).flatten();
-                let setup_before = new_conn.then(|| rounds::setup_counters(lane)).flatten();
-                let machine_before = new_conn.then(machine::read).flatten();
+                let round_before = new_conn.then(|| rounds::Before::read(lane)).flatten();
                 let nstat_before = (new_conn && nstat_dump()).then(|| nstat(lane));
                 let outcome = measure::run(lane, w, cfg, cfg.run_secs);
                 if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (before, &outcome) {
                     health[lane.mode.index()].add(r.requests, b, lane);
                 }
-                if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (setup_before, &outcome)
-                    && let Some(a) = rounds::setup_counters(lane)
+                if let (Some(b), Ok(measure::Outcome::Wrk(r))) = (round_before, &outcome)
+                    && let Some(row) = b.row(lane, round + 1, r.rate, r.p99_us)
                 {
-                    let machine = machine::read().zip(machine_before).map(|(a, b)| a.since(b));
                     if let Some(before) = &nstat_before {
                         eprintln!(
                             "bench: nstat {} round {} ({} conn, p99 {} us): {}",
@@ -489,14 +488,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
                             netstat::grown(before, &nstat(lane))
                         );
                     }
-                    round_tcp.push(rounds::RoundTcp {
-                        round: round + 1,
-                        mode: lane.mode,
-                        rate: r.rate,
-                        p99_us: r.p99_us,
-                        c: a.since(b),
-                        machine,
-                    });
+                    round_tcp.push(row);
                 }
                 if w == Workload::NewConn && lane.mode == Mode::Sidestep {
                     // The diagnostic control runs right after the sidestep lane.

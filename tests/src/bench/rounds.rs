@@ -6,9 +6,10 @@
 use std::fmt::Write as _;
 
 use super::Mode;
-use super::machine::MachineCounters;
+use super::machine::{self, MachineCounters};
 use super::netstat::{self, SetupCounters};
 use super::report::fmt_num;
+use super::schedstat::Sidecars;
 use super::stats::median;
 use super::topology::Lane;
 
@@ -25,6 +26,8 @@ pub struct RoundTcp {
     pub c: SetupCounters,
     /// The whole machine over the run; None when /proc could not be read.
     pub machine: Option<MachineCounters>,
+    /// The lane's sidecars over the run; None in the direct lane.
+    pub sidecars: Option<Sidecars>,
 }
 
 /// Client and server pod's counters summed; None (logged) when a read fails.
@@ -41,13 +44,48 @@ pub fn setup_counters(lane: &Lane<'_>) -> Option<SetupCounters> {
     }
 }
 
+/// Every reading a new-connection run's row is measured against, taken right before it.
+pub struct Before {
+    setup: SetupCounters,
+    machine: Option<MachineCounters>,
+    sidecars: Option<Sidecars>,
+}
+
+impl Before {
+    /// None (logged) when the pods' counters cannot be read; the machine's and the sidecars'
+    /// columns are left empty on their own when theirs cannot.
+    pub fn read(lane: &Lane<'_>) -> Option<Self> {
+        Some(Self {
+            setup: setup_counters(lane)?,
+            machine: machine::read(),
+            sidecars: Sidecars::read(lane.sidecar_pids()),
+        })
+    }
+
+    /// The run's row: every reading again, less this one.
+    pub fn row(self, lane: &Lane<'_>, round: usize, rate: f64, p99_us: f64) -> Option<RoundTcp> {
+        let setup = setup_counters(lane)?;
+        Some(RoundTcp {
+            round,
+            mode: lane.mode,
+            rate,
+            p99_us,
+            c: setup.since(self.setup),
+            machine: machine::read().zip(self.machine).map(|(a, b)| a.since(b)),
+            sidecars: Sidecars::read(lane.sidecar_pids())
+                .zip(self.sidecars)
+                .map(|(a, b)| a.since(b)),
+        })
+    }
+}
+
 /// A column of the table, and a candidate cause of slow rounds.
 pub struct Counter {
     pub label: &'static str,
     pub get: fn(&RoundTcp) -> Option<u64>,
 }
 
-pub const COUNTERS: [Counter; 13] = [
+pub const COUNTERS: [Counter; 17] = [
     Counter {
         label: "SYN retransmits",
         get: |r| Some(r.c.syn_retrans),
@@ -99,6 +137,22 @@ pub const COUNTERS: [Counter; 13] = [
     Counter {
         label: "dirty + writeback after the run (MiB)",
         get: |r| r.machine.map(|m| m.dirty_kib / 1024),
+    },
+    Counter {
+        label: "direct reclaim + compaction stalls",
+        get: |r| r.machine.map(|m| m.memory_stalls),
+    },
+    Counter {
+        label: "client sidecar CPU ms",
+        get: |r| r.sidecars.map(|s| s.client.run_ms()),
+    },
+    Counter {
+        label: "client sidecar µs per timeslice",
+        get: |r| r.sidecars.and_then(|s| s.client.us_per_timeslice()),
+    },
+    Counter {
+        label: "server sidecar CPU ms",
+        get: |r| r.sidecars.map(|s| s.server.run_ms()),
     },
 ];
 
@@ -218,7 +272,7 @@ pub fn section(rows: &[RoundTcp]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded); and the whole machine's share of CPU time (all CPUs, from `/proc/stat`) that was stolen by the hypervisor, spent waiting on I/O, or idle, in per mille of the run, with the page cache's Dirty + Writeback right after it (`/proc/meminfo`). A rate marked ↓ is below the lane's median.\n"
+        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded); and the whole machine's share of CPU time (all CPUs, from `/proc/stat`) that was stolen by the hypervisor, spent waiting on I/O, or idle, in per mille of the run, with the page cache's Dirty + Writeback right after it (`/proc/meminfo`) and the times an allocation anywhere on the machine stopped to reclaim or compact memory itself over the run (`/proc/vmstat` `allocstall_*` + `compact_stall`); then the lane's two sidecars from `/proc/<pid>/schedstat`: CPU time over the run, and for the client sidecar its mean time on the CPU per timeslice (a sidecar that runs as much as usual in far longer stretches is doing work it cannot break off, not waiting). A rate marked ↓ is below the lane's median.\n"
     );
     let _ = writeln!(
         o,
@@ -283,6 +337,7 @@ mod tests {
                 ..Default::default()
             },
             machine: None,
+            sidecars: None,
         }
     }
 
@@ -334,6 +389,38 @@ mod tests {
         assert!(explain(&f).contains("CPU steal ‰ (250 per round against 2.00)"));
         assert!(
             section(&rows).contains("| 250 | 0 | 100 | 0 |"),
+            "{}",
+            section(&rows)
+        );
+    }
+
+    #[test]
+    fn slow_rounds_whose_client_sidecar_ran_in_long_stretches_name_it() {
+        use crate::bench::schedstat::SchedStat;
+        let with_slices = |round, rate, us_per_slice: u64| RoundTcp {
+            sidecars: Some(Sidecars {
+                client: SchedStat {
+                    run_ns: 3_000_000_000,
+                    wait_ns: 0,
+                    timeslices: 3_000_000 / us_per_slice,
+                },
+                server: SchedStat {
+                    run_ns: 2_000_000_000,
+                    ..Default::default()
+                },
+            }),
+            ..row(round, rate, 0, 100)
+        };
+        let rows = vec![
+            with_slices(1, 5900.0, 130),
+            with_slices(2, 2500.0, 1500),
+            with_slices(3, 5000.0, 140),
+        ];
+        let f = finding(&rows, Mode::Iptables).unwrap();
+        let named: Vec<&str> = f.higher_when_slow.iter().map(|h| h.0).collect();
+        assert_eq!(named, ["client sidecar µs per timeslice"], "{f:?}");
+        assert!(
+            section(&rows).contains("| 3000 | 1500 | 2000 |"),
             "{}",
             section(&rows)
         );

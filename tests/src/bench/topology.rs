@@ -64,6 +64,8 @@ pub struct Lane<'e> {
     /// The CPU layout its processes were started with; the load generators use it too.
     pub cpus: CpuLayout,
     procs: Vec<ChildGuard>,
+    /// (client, server) HAProxy, None in the direct lane.
+    sidecar_pids: Option<(u32, u32)>,
     nginx: nginx::Server,
 }
 
@@ -81,6 +83,11 @@ impl Lane<'_> {
             }
             _ => SocketAddr::from((self.server.ipv4, app_port)),
         }
+    }
+
+    /// The client and the server sidecar's pids; None in the direct lane.
+    pub fn sidecar_pids(&self) -> Option<(u32, u32)> {
+        self.sidecar_pids
     }
 
     /// Fails if one of the lane's long-running processes has exited.
@@ -231,15 +238,16 @@ impl<'e> Topology<'e> {
             Duration::from_secs(10),
         )?;
         procs.push(ip3);
+        let mut sidecar_pids = None;
         if mode != Mode::Direct {
-            procs.push(haproxy_cfg::start(
+            let server_sidecar = haproxy_cfg::start(
                 env,
                 &server,
                 Role::Server { own: server.ipv4 },
                 &EXPLICIT,
                 cpus.set(CpuRole::ServerSidecar),
-            )?);
-            procs.push(haproxy_cfg::start(
+            )?;
+            let client_sidecar = haproxy_cfg::start(
                 env,
                 &client,
                 Role::Client {
@@ -247,7 +255,9 @@ impl<'e> Topology<'e> {
                 },
                 &EXPLICIT,
                 cpus.set(CpuRole::ClientSidecar),
-            )?);
+            )?;
+            sidecar_pids = Some((client_sidecar.pid(), server_sidecar.pid()));
+            procs.extend([server_sidecar, client_sidecar]);
         }
         let lane = Lane {
             mode,
@@ -256,6 +266,7 @@ impl<'e> Topology<'e> {
             server,
             cpus: cpus.clone(),
             procs,
+            sidecar_pids,
             nginx: web,
         };
         // One request end to end proves the path before anything is measured.
