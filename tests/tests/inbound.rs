@@ -44,6 +44,14 @@ fn inbound_through_both_sidecars_with_the_sk_lookup_hook() -> Result<()> {
     inbound_through_both_sidecars("sk_lookup")
 }
 
+/// `sidestep status`'s one row for the per-pod identity programs, which sums them.
+fn identity_row(status: &Value) -> Option<&Value> {
+    status["programs"]
+        .as_array()?
+        .iter()
+        .find(|p| p["name"] == "sidestep_pod_id")
+}
+
 fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
     let env = TestEnv::new(&format!("inbound-{}", &hook[..2]))?;
     let node = Node::new(&env, NodeOptions::dual_stack())?;
@@ -93,12 +101,7 @@ fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
     );
     // The two pods' identity programs are not pinned as programs; status still lists them, as
     // one row that sums them.
-    let identity = status["programs"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|p| p["name"] == "sidestep_pod_id")
-        .context("no sidestep_pod_id row in status")?;
+    let identity = identity_row(&status).context("no sidestep_pod_id row in status")?;
     ensure!(
         identity["instances"] == 2 && identity["id"] == 0,
         "{hook}: identity row {identity}"
@@ -226,12 +229,7 @@ fn inbound_through_both_sidecars(hook: &str) -> Result<()> {
         "sk_lookup link left for the server"
     );
     ensure!(tc_links(&client)? == expected_tc);
-    let identities = status["programs"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|p| p["name"] == "sidestep_pod_id")
-        .map(|p| p["instances"].clone());
+    let identities = identity_row(&status).map(|p| p["instances"].clone());
     ensure!(
         identities == Some(serde_json::json!(1)),
         "identity programs after the server left: {identities:?}"
