@@ -10,7 +10,8 @@
 //! - `reroute_matches_istios_ruleset`: a differential table, every scenario under Istio's real
 //!   ruleset (the oracle) and under sidestep, printed with both columns and asserted equal (or
 //!   under rule G, or at the exact outcome of a marked intended difference). Besides plain
-//!   connects it has IPv6 connections with extension headers and fragmented SYNs; the pod
+//!   connects it has IPv6 connections with extension headers, fragmented SYNs and SYNs behind
+//!   two VLAN 0 tags (which the kernel strips around tc); the pod
 //!   forwards there, so a packet sidestep let through uncaptured would reach the server.
 //! - `vm_reaches_remote_nginx_through_the_proxy`: an unmodified HAProxy (IPv4) and an Envoy-like
 //!   forwarding proxy (IPv4 and IPv6) as UID 1337 end to end, also after an upgrade (load
@@ -145,6 +146,14 @@ fn reroute_matches_istios_ruleset() -> Result<()> {
                     crafted(Craft::FragSyn, sa(p6.into(), 80)),
                     Intended::FragmentsDropped,
                 ),
+                // netfilter sees the IP packet the stack gets, untagged: Istio captures these.
+                crafted(Craft::VlanSyn(2), sa(p4.into(), 80)),
+                crafted(Craft::VlanSyn(2), sa(p6.into(), 80)),
+                crafted(Craft::VlanSyn(4), sa(p4.into(), 80)),
+                mark(
+                    crafted(Craft::VlanSyn(6), sa(p4.into(), 80)),
+                    Intended::DeepTagsDropped,
+                ),
             ],
         },
         Case {
@@ -164,7 +173,10 @@ fn reroute_matches_istios_ruleset() -> Result<()> {
             targets: vec![sa(p4.into(), 80), sa(s4.into(), 8080), sa(s6.into(), 8080)],
             // Outside the include ranges Istio forwards fragments too: sidestep drops only
             // what would be captured.
-            crafted: vec![crafted(Craft::FragSyn, sa(p6.into(), 80))],
+            crafted: vec![
+                crafted(Craft::FragSyn, sa(p6.into(), 80)),
+                crafted(Craft::VlanSyn(2), sa(p6.into(), 80)),
+            ],
         },
         Case {
             name: "include nothing",

@@ -5,15 +5,22 @@
 //! - [`parse_tcp`], for inbound capture: plain TCP only. Anything else passes to the kernel,
 //!   whose local delivery sk_lookup covers, so it stays as cheap as it can be.
 //! - [`parse_rerouted`], for re-routed interfaces: there a packet passed is *forwarded*, so it
-//!   also follows IPv6 extension headers and reports what it cannot follow (fragments, a routing
-//!   header, a truncated header) instead of taking it for "not TCP".
+//!   also follows IPv6 extension headers and VLAN 0 tags and reports what it cannot follow
+//!   (fragments, a routing header, a truncated header) instead of taking it for "not TCP".
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{helpers::generated::bpf_skb_vlan_pop, programs::TcContext};
 use sidestep_abi::{linux, v4_mapped};
+
+use crate::context::load;
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+const VLAN_VID_MASK: u32 = 0x0fff;
+/// The most VLAN tags a frame may carry and still be followed (the kernel strips any number).
+const MAX_PRIORITY_TAGS: usize = 4;
 pub const IPV6_HLEN: usize = core::mem::size_of::<Ipv6Head>();
 /// The fixed TCP header: a packet with less is not a segment the kernel would accept.
 pub const TCP_HLEN: usize = 20;
@@ -158,7 +165,8 @@ pub enum Parsed {
     /// chain longer than [`MAX_EXT_HEADERS`], a truncated header. `dst` is the IP destination
     /// (v4-mapped for IPv4), which every fragment carries.
     Opaque { ipv6: bool, dst: [u32; 4] },
-    /// An IP header too short to read: the kernel drops it anyway.
+    /// An IP header too short to read (the kernel drops it anyway), or a frame behind more VLAN
+    /// tags than the parser pops.
     Broken,
 }
 
@@ -195,12 +203,75 @@ fn tcp_at(ctx: &TcContext, ipv6: bool, src: [u32; 4], dst: [u32; 4], l4: usize) 
 /// (`Opaque`) from one that is not TCP (`Other`): passing the former would forward a connection
 /// around the proxy.
 #[inline(always)]
-pub fn parse_rerouted(ctx: &TcContext) -> Parsed {
+///
+/// On `ingress` it first brings the frame to what the stack will get ([`untag_priority`]);
+/// egress frames are parsed as they are.
+pub fn parse_rerouted(ctx: &TcContext, ingress: bool) -> Parsed {
+    if ingress {
+        match untag_priority(ctx) {
+            Untag::Done => {}
+            Untag::NotDeliveredHere => return Parsed::Other,
+            Untag::Failed => return Parsed::Broken,
+        }
+    }
     match u16::from_be(ctx.skb.protocol() as u16) {
         ETH_P_IP => rerouted_v4(ctx),
         ETH_P_IPV6 => rerouted_v6(ctx),
         _ => Parsed::Other,
     }
+}
+
+/// What [`untag_priority`] left.
+enum Untag {
+    /// The frame's payload is what the stack will get on this interface.
+    Done,
+    /// Tagged with a VLAN other than 0: the kernel hands it to that VLAN's device (a capture of
+    /// its own) or drops it; either way not to this interface's IP stack.
+    NotDeliveredHere,
+    /// More priority tags than it pops, or a pop failed: the packet cannot be followed.
+    Failed,
+}
+
+fn is_vlan(ethertype: u16) -> bool {
+    ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD
+}
+
+/// Brings the frame to what the stack will deliver. Before tc the kernel strips one VLAN tag
+/// into the skb; after tc, behind a tag of VLAN 0 (802.1p priority tagging), it strips every
+/// further tag and delivers the packet as untagged IP on this same interface, where netfilter
+/// (and so Istio's REDIRECT) sees it. A parser that read the frame as the wire has it would see
+/// a VLAN header there and pass a SYN the pod then forwards around the proxy. Popping those tags
+/// here does what the kernel would do next, and the frame keeps its last tag in the skb for the
+/// kernel to judge as before.
+#[inline(always)]
+fn untag_priority(ctx: &TcContext) -> Untag {
+    let skb = ctx.skb.skb;
+    for _ in 0..MAX_PRIORITY_TAGS {
+        // SAFETY: `vlan_present` and `vlan_tci` are readable 4-byte fields of __sk_buff.
+        let (present, tci) = unsafe {
+            (
+                load(&raw const (*skb).vlan_present),
+                load(&raw const (*skb).vlan_tci),
+            )
+        };
+        if present != 0 && tci & VLAN_VID_MASK != 0 {
+            return Untag::NotDeliveredHere;
+        }
+        if !is_vlan(u16::from_be(ctx.skb.protocol() as u16)) {
+            return Untag::Done;
+        }
+        if present == 0 {
+            // A VLAN header the kernel did not strip before tc; nothing delivers it after tc
+            // either, so dropping it changes nothing but keeps "never forwarded unparsed".
+            return Untag::Failed;
+        }
+        // SAFETY: a tc program's own skb; the helper moves the next tag into the skb, and the
+        // parser reads the packet with bpf_skb_load_bytes, never through stale pointers.
+        if unsafe { bpf_skb_vlan_pop(skb) } != 0 {
+            return Untag::Failed;
+        }
+    }
+    Untag::Failed
 }
 
 #[inline(always)]

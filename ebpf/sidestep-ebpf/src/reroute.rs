@@ -137,7 +137,7 @@ fn on_opaque(ctx: &TcContext, ipv6: bool, dst: &[u32; 4]) -> i32 {
 
 #[classifier]
 pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
-    let seg = match parse_rerouted(&ctx) {
+    let seg = match parse_rerouted(&ctx, true) {
         Parsed::Tcp(seg) => seg,
         Parsed::Other => return NEXT,
         Parsed::Opaque { ipv6, dst } => return on_opaque(&ctx, ipv6, &dst),
@@ -235,7 +235,7 @@ pub fn sidestep_reroute_eg(ctx: TcContext) -> i32 {
     // What cannot be followed passes unrewritten: egress goes into the VM, so nothing bypasses
     // the proxy, and a reply the VM does not recognise only fails that connection. The kernel
     // does not fragment the proxy's TCP (it sizes segments to the path MTU).
-    let Parsed::Tcp(seg) = parse_rerouted(&ctx) else {
+    let Parsed::Tcp(seg) = parse_rerouted(&ctx, false) else {
         return NEXT;
     };
     let Some(iface) = interface(&ctx, false) else {

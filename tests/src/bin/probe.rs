@@ -154,6 +154,22 @@ fn main() {
                     .unwrap_or(1500),
             ),
         ),
+        Some("vlan-syn") => craft::vlan_syn(
+            args.get(1)
+                .expect("probe: vlan-syn IFACE DST-MAC SRC-IP DST"),
+            args.get(2)
+                .expect("probe: vlan-syn IFACE DST-MAC SRC-IP DST"),
+            args.get(3)
+                .and_then(|a| a.parse().ok())
+                .expect("probe: vlan-syn IFACE DST-MAC SRC-IP DST"),
+            addr(4),
+            option("--tags").map_or(2, |n| n.parse().expect("probe: --tags takes a count")),
+            Duration::from_millis(
+                option("--wait-ms")
+                    .map(|ms| ms.parse().expect("probe: --wait-ms takes milliseconds"))
+                    .unwrap_or(1500),
+            ),
+        ),
         Some("hold") => hold(addr(1)),
         Some("slow-sink") => bulk::slow_sink(
             addr(1),

@@ -55,6 +55,9 @@ pub(super) enum Craft {
     /// header, IPv6's a Fragment header in front of the whole fixed TCP header (see
     /// `probe frag-syn`).
     FragSyn,
+    /// One SYN in an Ethernet frame behind this many 802.1Q tags of VLAN 0 (`probe vlan-syn`):
+    /// the kernel strips one tag before tc and the rest after it, then routes the IP packet.
+    VlanSyn(u8),
 }
 
 /// A row sidestep answers differently from Istio on purpose; its exact outcome is asserted.
@@ -63,19 +66,25 @@ pub(super) enum Intended {
     /// A tc program cannot reassemble: a fragmented TCP packet that Istio's rules would
     /// REDIRECT (conntrack defragments before nat) is dropped, never forwarded around the proxy.
     FragmentsDropped,
+    /// A frame behind more VLAN 0 tags than the tc parser pops (four) is dropped; the kernel
+    /// strips any number, and Istio's rules then REDIRECT the packet.
+    DeepTagsDropped,
 }
 
 impl Intended {
     pub(super) fn reason(self) -> &'static str {
         match self {
             Intended::FragmentsDropped => "fragments dropped (fail closed), Istio reassembles",
+            Intended::DeepTagsDropped => {
+                "over four VLAN 0 tags dropped (fail closed), the kernel strips them for Istio"
+            }
         }
     }
 
     /// sidestep's exact outcome for the row.
     pub(super) fn outcome(self) -> Seen {
         match self {
-            Intended::FragmentsDropped => Seen::Packet(Delivery {
+            Intended::FragmentsDropped | Intended::DeepTagsDropped => Seen::Packet(Delivery {
                 reply: "none".into(),
                 at_destination: 0,
             }),
@@ -111,6 +120,9 @@ impl Crafted {
             Craft::HopOpts => "+hop-by-hop",
             Craft::DstOpts => "+dest-opts",
             Craft::FragSyn => "fragmented SYN",
+            Craft::VlanSyn(n) => {
+                return format!("{} SYN behind {n} VLAN 0 tags", names.addr(self.to));
+            }
         };
         format!("{} {how}", names.addr(self.to))
     }
@@ -187,11 +199,19 @@ pub(super) fn observe_crafted(
             let client = vm.probe(&["connect-ext", &to, opt])?;
             Ok(Seen::Conn(settle(names, listeners, &client)?))
         }
-        Craft::FragSyn => {
+        Craft::FragSyn | Craft::VlanSyn(_) => {
             let src = if c.to.is_ipv4() { VM4 } else { VM6 };
             let before = tcp_in_segs(destination)?;
-            let got = vm.probe(&["frag-syn", src, &to, "--wait-ms", "1500"])?;
-            ensure!(got["sent"].as_u64() == Some(2), "frag-syn: {got}");
+            let (got, packets) = match c.how {
+                Craft::VlanSyn(tags) => {
+                    let tags = tags.to_string();
+                    let mac = vm.gateway_mac.as_str();
+                    let args = ["vlan-syn", "eth0", mac, src, &to, "--tags", &tags];
+                    (vm.probe(&args)?, 1)
+                }
+                _ => (vm.probe(&["frag-syn", src, &to, "--wait-ms", "1500"])?, 2),
+            };
+            ensure!(got["sent"].as_u64() == Some(packets), "{:?}: {got}", c.how);
             let reply = got["reply"].as_str().context("no reply field")?.to_owned();
             let at_destination = tcp_in_segs(destination)? - before;
             // The VM answers a SYN-ACK with a reset, so no handshake completes and no listener

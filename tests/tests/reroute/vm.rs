@@ -16,13 +16,18 @@ pub(super) const VM6: &str = "fd77::2";
 /// The VM: a netns behind `vm0` of the pod. Deleting it deletes the veth pair too.
 pub(super) struct Vm {
     name: String,
+    /// The pod's end of the link (`vm0`), where the VM's frames are addressed.
+    pub(super) gateway_mac: String,
 }
 
 impl Vm {
     pub(super) fn attach(pod: &Pod, tag: &str) -> Result<Self> {
         let name = format!("ssrr-{}-{tag}", std::process::id());
         netns::create(&name)?;
-        let vm = Vm { name };
+        let mut vm = Vm {
+            name,
+            gateway_mac: String::new(),
+        };
         let (p, v) = (pod.netns_name.as_str(), vm.name.as_str());
         run(&[
             "ip", "-n", p, "link", "add", IFACE, "type", "veth", "peer", "name", "eth0", "netns", v,
@@ -56,6 +61,15 @@ impl Vm {
         run(&["ip", "-n", v, "-6", "route", "add", "default", "via", GW6])?;
         netns::wait_no_tentative(p, Duration::from_secs(5))?;
         netns::wait_no_tentative(v, Duration::from_secs(5))?;
+        let link = Command::new("ip")
+            .args(["-n", p, "-j", "link", "show", IFACE])
+            .output()?;
+        let link: Value = serde_json::from_slice(&link.stdout)
+            .with_context(|| format!("ip -j link show {IFACE} in {p}"))?;
+        vm.gateway_mac = link[0]["address"]
+            .as_str()
+            .with_context(|| format!("{IFACE} in {p} has no address: {link}"))?
+            .to_owned();
         Ok(vm)
     }
 

@@ -234,23 +234,59 @@ fn await_reply(rx: &OwnedFd, from: SocketAddr, to_port: u16, wait: Duration) -> 
     }
 }
 
+/// A source port for a crafted SYN: from the pid, so that concurrent probes differ.
+fn crafted_sport() -> u16 {
+    20000 + (std::process::id() % 20000) as u16
+}
+
+/// Opens the reply socket, runs `send` (which returns how many packets it sent), waits for what
+/// comes back from `dst` to `sport`, and prints `{"sport","sent","reply"}` (or the error).
+fn exchange(
+    dst: SocketAddr,
+    sport: u16,
+    wait: Duration,
+    send: impl FnOnce() -> std::io::Result<usize>,
+) -> i32 {
+    let domain = if dst.is_ipv6() {
+        libc::AF_INET6
+    } else {
+        libc::AF_INET
+    };
+    let run = || -> std::io::Result<(usize, String)> {
+        // Opened first, so no answer can come before it listens.
+        let rx = raw_socket(domain, libc::IPPROTO_TCP)?;
+        let sent = send()?;
+        Ok((sent, await_reply(&rx, dst, sport, wait)))
+    };
+    match run() {
+        Ok((sent, reply)) => {
+            println!("{{\"sport\":{sport},\"sent\":{sent},\"reply\":\"{reply}\"}}");
+            0
+        }
+        Err(e) => {
+            print_error(&e);
+            1
+        }
+    }
+}
+
 /// `probe frag-syn SRC DST [--wait-ms N]`: sends a SYN from SRC (an address of this netns, a
 /// source port from the pid) to DST in two IP fragments (an IPv6 one with a Fragment header),
 /// then prints `{"sport","sent","reply"}`, `reply` being what came back from DST within N ms
 /// (default 1500): `syn-ack`, `rst`, `none`.
 pub(super) fn frag_syn(src: IpAddr, dst: SocketAddr, wait: Duration) -> i32 {
-    let pid = std::process::id();
-    let sport = 20000 + (pid % 20000) as u16;
-    let v6 = dst.is_ipv6();
-    let domain = if v6 { libc::AF_INET6 } else { libc::AF_INET };
-    let run = || -> std::io::Result<(usize, String)> {
-        // Opened first, so no answer can come before it listens.
-        let rx = raw_socket(domain, libc::IPPROTO_TCP)?;
+    let sport = crafted_sport();
+    exchange(dst, sport, wait, || {
+        let domain = if dst.is_ipv6() {
+            libc::AF_INET6
+        } else {
+            libc::AF_INET
+        };
         // IPPROTO_RAW implies a header the caller writes (IP_HDRINCL, and the same for IPv6).
         let tx = raw_socket(domain, libc::IPPROTO_RAW)?;
         let (ss, len) = sockaddr(SocketAddr::new(dst.ip(), 0));
         let mut sent = 0;
-        for frag in fragments(src, sport, dst, pid) {
+        for frag in fragments(src, sport, dst, std::process::id()) {
             // SAFETY: `frag` and `ss` are live for the call and their lengths are passed.
             check(unsafe {
                 libc::sendto(
@@ -264,16 +300,134 @@ pub(super) fn frag_syn(src: IpAddr, dst: SocketAddr, wait: Duration) -> i32 {
             })?;
             sent += 1;
         }
-        Ok((sent, await_reply(&rx, dst, sport, wait)))
-    };
-    match run() {
-        Ok((sent, reply)) => {
-            println!("{{\"sport\":{sport},\"sent\":{sent},\"reply\":\"{reply}\"}}");
-            0
+        Ok(sent)
+    })
+}
+
+/// A whole, unfragmented IP packet holding `tcp` from `src` to `dst`.
+fn ip_packet(src: IpAddr, dst: IpAddr, tcp: &[u8]) -> Vec<u8> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut h = vec![0x45, 0];
+            h.extend_from_slice(&(20 + tcp.len() as u16).to_be_bytes());
+            h.extend_from_slice(&[0, 0, 0x40, 0, 64, 6, 0, 0]);
+            h.extend_from_slice(&s.octets());
+            h.extend_from_slice(&d.octets());
+            let sum = checksum(&[&h]);
+            h[10..12].copy_from_slice(&sum.to_be_bytes());
+            h.extend_from_slice(tcp);
+            h
         }
-        Err(e) => {
-            print_error(&e);
-            1
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut h = vec![0x60, 0, 0, 0];
+            h.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
+            h.extend_from_slice(&[6, 64]);
+            h.extend_from_slice(&s.octets());
+            h.extend_from_slice(&d.octets());
+            h.extend_from_slice(tcp);
+            h
         }
+        _ => panic!("probe: {src} and {dst} are of different families"),
+    }
+}
+
+const ETH_P_8021Q: u16 = 0x8100;
+
+/// An Ethernet frame from `src_mac` to `dst_mac` holding `packet` behind `tags` 802.1Q tags,
+/// each VLAN 0 (priority-tagged, priority 0).
+fn tagged_frame(
+    dst_mac: [u8; 6],
+    src_mac: [u8; 6],
+    tags: usize,
+    ipv6: bool,
+    packet: &[u8],
+) -> Vec<u8> {
+    let mut f = [&dst_mac[..], &src_mac].concat();
+    for _ in 0..tags {
+        f.extend_from_slice(&ETH_P_8021Q.to_be_bytes());
+        f.extend_from_slice(&[0, 0]);
+    }
+    let ethertype: u16 = if ipv6 { 0x86dd } else { 0x0800 };
+    f.extend_from_slice(&ethertype.to_be_bytes());
+    f.extend_from_slice(packet);
+    f
+}
+
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let bytes: Vec<u8> = text
+        .trim()
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<Result<_, _>>()
+        .ok()?;
+    bytes.try_into().ok()
+}
+
+/// `probe vlan-syn IFACE DST-MAC SRC DST [--tags N] [--wait-ms N]`: sends a SYN from SRC to DST
+/// as one Ethernet frame out of IFACE (a packet socket) to DST-MAC, behind N 802.1Q tags of
+/// VLAN 0 (default 2). The kernel strips the first tag before tc runs and the others after it,
+/// then delivers the packet as untagged IP: a tc program that reads the frame as the wire has
+/// it sees a VLAN header where the IP packet the stack gets is. Prints what `frag-syn` prints.
+pub(super) fn vlan_syn(
+    iface: &str,
+    dst_mac: &str,
+    src: IpAddr,
+    dst: SocketAddr,
+    tags: usize,
+    wait: Duration,
+) -> i32 {
+    let sport = crafted_sport();
+    exchange(dst, sport, wait, || {
+        let invalid =
+            |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
+        let dst_mac =
+            parse_mac(dst_mac).ok_or_else(|| invalid("DST-MAC: want aa:bb:cc:dd:ee:ff"))?;
+        let own = std::fs::read_to_string(format!("/sys/class/net/{iface}/address"))?;
+        let src_mac = parse_mac(&own).ok_or_else(|| invalid("IFACE has no Ethernet address"))?;
+        let ifindex = nix::net::if_::if_nametoindex(iface).map_err(std::io::Error::from)?;
+        let packet = ip_packet(src, dst.ip(), &tcp_syn(src, sport, dst));
+        let frame = tagged_frame(dst_mac, src_mac, tags, dst.is_ipv6(), &packet);
+        // Protocol 0: this socket only sends.
+        let tx = raw_socket(libc::AF_PACKET, 0)?;
+        // SAFETY: all-zero is a valid sockaddr_ll; the fields that matter are set below.
+        let mut ll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        ll.sll_family = libc::AF_PACKET as u16;
+        ll.sll_ifindex = ifindex as i32;
+        ll.sll_halen = 6;
+        ll.sll_addr[..6].copy_from_slice(&dst_mac);
+        // SAFETY: `frame` and `ll` are live for the call and their lengths are passed.
+        check(unsafe {
+            libc::sendto(
+                tx.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&raw const ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            ) as libc::c_int
+        })?;
+        Ok(1)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_double_tagged_frame_is_laid_out_as_the_wire_has_it() {
+        let (s, d): (IpAddr, SocketAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2:80".parse().unwrap());
+        let packet = ip_packet(s, d.ip(), &tcp_syn(s, 1234, d));
+        assert_eq!(packet.len(), 52);
+        assert_eq!(checksum(&[&packet[..20]]), 0, "IPv4 header checksum");
+        let f = tagged_frame([2; 6], [4; 6], 2, false, &packet);
+        assert_eq!(&f[12..22], &[0x81, 0, 0, 0, 0x81, 0, 0, 0, 0x08, 0]);
+        assert_eq!(&f[22..], &packet[..]);
+        assert_eq!(
+            parse_mac("0a:58:c0:a8:4d:01\n"),
+            Some([10, 0x58, 0xc0, 0xa8, 0x4d, 1])
+        );
+        assert_eq!(parse_mac("0a:58"), None);
     }
 }
