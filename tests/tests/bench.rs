@@ -55,7 +55,7 @@ fn bench() -> Result<()> {
         Some(body) => sections::splice(&report.markdown(), sections::AMBIENT, &body),
         None => report.markdown(),
     };
-    page = repeats::with_section(&page, &repeats::section(&reports));
+    page = repeats::with_section(&page, &repeats::section_for_page(&reports, &old));
     fs::write(&md, page).with_context(|| format!("write {}", md.display()))?;
     let svg = docs.join(SVG_NAME);
     fs::write(&svg, report.svg()).with_context(|| format!("write {}", svg.display()))?;

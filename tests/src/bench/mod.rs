@@ -99,6 +99,12 @@ impl Mode {
         }
     }
 
+    /// Istio's two rulesets, whose REDIRECT puts the app's and its sidecar's connections to a
+    /// server into one 4-tuple space.
+    pub fn is_netfilter(self) -> bool {
+        matches!(self, Mode::Iptables | Mode::Nftables)
+    }
+
     /// Short lowercase name for pod names and logs.
     pub fn slug(self) -> &'static str {
         match self {

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::net::Ipv4Addr;
 
 use anyhow::{Context, Result};
 
@@ -233,6 +234,47 @@ pub fn time_wait(pod: &Pod) -> Result<u64> {
     parse_sockstat_tw(&t).context("no TCP tw in sockstat")
 }
 
+/// TIME_WAIT sockets in `/proc/net/tcp` text whose remote end is `remote` (any port).
+pub fn parse_time_wait_to(tcp: &str, remote: Ipv4Addr) -> u64 {
+    // The kernel prints an address as its network-order bytes read as a native u32, in hex.
+    let want = format!("{:08X}", u32::from_ne_bytes(remote.octets()));
+    let time_wait = |line: &&str| {
+        let mut f = line.split_whitespace().skip(2);
+        let (Some(rem), Some(state)) = (f.next(), f.next()) else {
+            return false;
+        };
+        state == "06" && rem.split_once(':').is_some_and(|(addr, _)| addr == want)
+    };
+    tcp.lines().skip(1).filter(time_wait).count() as u64
+}
+
+/// TIME_WAIT sockets in `pod`'s netns whose remote end is `remote`.
+pub fn time_wait_to(pod: &Pod, remote: Ipv4Addr) -> Result<u64> {
+    Ok(parse_time_wait_to(&read_in(pod, "tcp")?, remote))
+}
+
+/// How many ports `connect()` tries before it turns to the other half of `ip_local_port_range`
+/// text ("low high"): `__inet_hash_connect` walks the ports of one parity first (the other is
+/// left to `bind()`), so a destination whose TIME_WAIT sockets fill that half makes every
+/// connect to it walk all of it.
+pub fn parse_first_searched_ports(range: &str) -> Option<u64> {
+    let mut f = range.split_whitespace().map(str::parse::<u64>);
+    let (Some(Ok(low)), Some(Ok(high))) = (f.next(), f.next()) else {
+        return None;
+    };
+    let ports = (high + 1).checked_sub(low)?;
+    Some((ports & !1) / 2)
+}
+
+/// [`parse_first_searched_ports`] of `pod`'s netns (the sysctl is per netns).
+pub fn first_searched_ports(pod: &Pod) -> Result<u64> {
+    let path = "/proc/sys/net/ipv4/ip_local_port_range";
+    let text = pod
+        .in_netns(|| fs::read_to_string(path))?
+        .with_context(|| format!("read {path} in pod {}", pod.name))?;
+    parse_first_searched_ports(&text).with_context(|| format!("{path}: {text:?}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,5 +333,36 @@ mod tests {
         assert_eq!((d.syn_retrans, d.sockstat_tw, d.ct_drop), (3, 100, Some(3)));
         assert_eq!(d.ct_insert_failed, None);
         assert_eq!(a.plus(b).ct_drop, Some(5));
+    }
+
+    #[test]
+    fn time_wait_to_one_address() {
+        // 10.88.0.7 is 0700580A; state 06 is TIME_WAIT, 01 ESTABLISHED.
+        let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+                   0: 0600580A:8C2E 0700580A:0050 06 00000000:00000000 03:00000F2A 00000000     0        0 0 3 0000000000000000\n\
+                   1: 0600580A:8C30 0700580A:3AA6 06 00000000:00000000 03:00000F2A 00000000     0        0 0 3 0000000000000000\n\
+                   2: 0600580A:8C32 0700580A:0050 01 00000000:00000000 00:00000000 00000000  1000        0 1 1 0000000000000000\n\
+                   3: 0100007F:8C34 0100007F:3A99 06 00000000:00000000 03:00000F2A 00000000     0        0 0 3 0000000000000000\n\
+                   4: 0600580A:8C36 0800580A:0050 06 00000000:00000000 03:00000F2A 00000000     0        0 0 3 0000000000000000\n";
+        assert_eq!(parse_time_wait_to(tcp, Ipv4Addr::new(10, 88, 0, 7)), 2);
+        assert_eq!(parse_time_wait_to(tcp, Ipv4Addr::LOCALHOST), 1);
+        assert_eq!(parse_time_wait_to(tcp, Ipv4Addr::new(10, 88, 0, 9)), 0);
+        // The parse must match what this machine prints for its own loopback sockets.
+        let here = fs::read_to_string("/proc/net/tcp").unwrap();
+        assert!(
+            here.lines()
+                .skip(1)
+                .all(|l| l.split_whitespace().count() >= 4)
+        );
+    }
+
+    #[test]
+    fn first_searched_half_of_the_port_range() {
+        // Linux's default range: 28,232 ports, 14,116 of one parity.
+        assert_eq!(parse_first_searched_ports("32768\t60999\n"), Some(14_116));
+        assert_eq!(parse_first_searched_ports("1024 1025"), Some(1));
+        assert_eq!(parse_first_searched_ports("1024 1026"), Some(1));
+        assert_eq!(parse_first_searched_ports("60999 32768"), None);
+        assert_eq!(parse_first_searched_ports("x"), None);
     }
 }

@@ -111,6 +111,49 @@ pub fn section(reports: &[Report]) -> String {
     o
 }
 
+/// The first line of a Repeats section carried over from an earlier invocation.
+const KEPT: &str = "**Kept from an earlier `--repeat` invocation.**";
+
+/// The Repeats section for a page written by `reports`: theirs when they are several runs; after
+/// a single run, the section of `old_page` (the page being replaced) when it holds several runs,
+/// marked as older than the rest of the page, so that one run does not erase the spread the
+/// README quotes.
+pub fn section_for_page(reports: &[Report], old_page: &str) -> String {
+    if reports.len() >= 2 {
+        return section(reports);
+    }
+    let date = reports.last().map_or("", |r| r.sys.date.as_str());
+    match sections::section(old_page, REPEATS) {
+        Some(old) if old.contains("| figure |") => kept(&old, date),
+        _ => section(reports),
+    }
+}
+
+fn kept(old: &str, date: &str) -> String {
+    // An earlier mark goes, with the blank line that set it apart.
+    let mut lines: Vec<&str> = Vec::new();
+    let mut after_mark = false;
+    for line in old.lines() {
+        if line.starts_with(KEPT) || (after_mark && line.is_empty()) {
+            after_mark = line.starts_with(KEPT);
+            continue;
+        }
+        after_mark = false;
+        lines.push(line);
+    }
+    let mut body = lines.join("\n");
+    // Its own "every other section is from the last run" is no longer true of this page.
+    if let Some(heading_end) = body.find("## Repeats\n") {
+        body.insert_str(
+            heading_end + "## Repeats\n".len(),
+            &format!(
+                "\n{KEPT} Every other section of this page is from a later single run ({date}); this section and its README sentence are the last multi-run spread, with that invocation's date in the sentence below.\n"
+            ),
+        );
+    }
+    body
+}
+
 /// The README's headline sentence: ranges over the repeats.
 pub fn readme_sentence(reports: &[Report]) -> String {
     let figs = figures(reports);

@@ -28,6 +28,16 @@ pub struct RoundTcp {
     pub machine: Option<MachineCounters>,
     /// The lane's sidecars over the run; None in the direct lane.
     pub sidecars: Option<Sidecars>,
+    /// The client pod's TIME_WAIT sockets to the server pod's address right after the run: under
+    /// REDIRECT the app's connections and its sidecar's share that 4-tuple space.
+    pub client_tw_to_server: Option<u64>,
+    /// The ports `connect()` searches first in the client pod (half its ephemeral range).
+    pub first_searched_ports: Option<u64>,
+}
+
+fn logged<T>(what: &str, r: anyhow::Result<T>) -> Option<T> {
+    r.map_err(|e| eprintln!("bench: reading {what}: {e:#}"))
+        .ok()
 }
 
 /// Client and server pod's counters summed; None (logged) when a read fails.
@@ -75,6 +85,14 @@ impl Before {
             sidecars: Sidecars::read(lane.sidecar_pids())
                 .zip(self.sidecars)
                 .map(|(a, b)| a.since(b)),
+            client_tw_to_server: logged(
+                "the client pod's TIME_WAIT sockets",
+                netstat::time_wait_to(&lane.client, lane.server.ipv4),
+            ),
+            first_searched_ports: logged(
+                "the client pod's port range",
+                netstat::first_searched_ports(&lane.client),
+            ),
         })
     }
 }
@@ -85,7 +103,7 @@ pub struct Counter {
     pub get: fn(&RoundTcp) -> Option<u64>,
 }
 
-pub const COUNTERS: [Counter; 17] = [
+pub const COUNTERS: [Counter; 19] = [
     Counter {
         label: "SYN retransmits",
         get: |r| Some(r.c.syn_retrans),
@@ -113,6 +131,10 @@ pub const COUNTERS: [Counter; 17] = [
     Counter {
         label: "TIME_WAIT sockets after the run",
         get: |r| Some(r.c.sockstat_tw),
+    },
+    Counter {
+        label: "client pod's TIME_WAIT sockets to the server after the run",
+        get: |r| r.client_tw_to_server,
     },
     Counter {
         label: "conntrack insert_failed",
@@ -151,6 +173,10 @@ pub const COUNTERS: [Counter; 17] = [
         get: |r| r.sidecars.and_then(|s| s.client.us_per_timeslice()),
     },
     Counter {
+        label: "client sidecar run-queue wait ms",
+        get: |r| r.sidecars.map(|s| s.client.wait_ms()),
+    },
+    Counter {
         label: "server sidecar CPU ms",
         get: |r| r.sidecars.map(|s| s.server.run_ms()),
     },
@@ -174,6 +200,73 @@ pub struct Finding {
     /// Counters whose per-round mean is at least 1 in the slow rounds and at least twice the
     /// fast rounds': (label, slow mean, fast mean).
     pub higher_when_slow: Vec<(&'static str, f64, f64)>,
+    /// The client pod's TIME_WAIT sockets to the server after the slow and the fast rounds;
+    /// None where a round's could not be read.
+    pub port_search: Option<PortSearch>,
+}
+
+/// What explains the netfilter lanes' tail (README): how full the client pod's first-searched
+/// half of the ephemeral range was with TIME_WAIT sockets to the server, in slow and fast rounds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PortSearch {
+    /// (min, max) over the slow rounds, and over the fast ones.
+    pub slow: (u64, u64),
+    pub fast: (u64, u64),
+    pub first_searched: u64,
+}
+
+impl PortSearch {
+    fn of(slow: &[&RoundTcp], fast: &[&RoundTcp]) -> Option<Self> {
+        let span = |v: &[&RoundTcp]| -> Option<(u64, u64)> {
+            let xs: Vec<u64> = v
+                .iter()
+                .map(|r| r.client_tw_to_server)
+                .collect::<Option<_>>()?;
+            Some((*xs.iter().min()?, *xs.iter().max()?))
+        };
+        Some(Self {
+            slow: span(slow)?,
+            fast: span(fast)?,
+            first_searched: slow
+                .iter()
+                .chain(fast)
+                .find_map(|r| r.first_searched_ports)?,
+        })
+    }
+
+    /// Every slow round's count above every fast round's.
+    pub fn separates(&self) -> bool {
+        self.slow.0 > self.fast.1
+    }
+
+    fn sentence(&self) -> String {
+        let pct = |x: u64| {
+            format!(
+                "{:.0}%",
+                100.0 * x as f64 / self.first_searched.max(1) as f64
+            )
+        };
+        let span = |(lo, hi): (u64, u64)| {
+            format!(
+                "{}–{} ({}–{})",
+                fmt_num(lo as f64),
+                fmt_num(hi as f64),
+                pct(lo),
+                pct(hi)
+            )
+        };
+        format!(
+            " The client pod's TIME_WAIT sockets to the server's address after the run, against the {} ports `connect()` searches first: {} after the slow rounds, {} after the fast ones; {}.",
+            fmt_num(self.first_searched as f64),
+            span(self.slow),
+            span(self.fast),
+            if self.separates() {
+                "every slow round left more than any fast round"
+            } else {
+                "this count does not separate the slow rounds from the fast ones"
+            }
+        )
+    }
 }
 
 /// None when the lane has no round on one side of its median.
@@ -216,6 +309,7 @@ pub fn finding(rows: &[RoundTcp], mode: Mode) -> Option<Finding> {
         slow_p99: avg(&slow, &|r| r.p99_us),
         fast_p99: avg(&fast, &|r| r.p99_us),
         higher_when_slow,
+        port_search: PortSearch::of(&slow, &fast),
     })
 }
 
@@ -259,6 +353,9 @@ pub fn explain(f: &Finding) -> String {
             parts.join("; ")
         );
     }
+    if let Some(p) = f.port_search {
+        s += &p.sentence();
+    }
     s
 }
 
@@ -266,13 +363,13 @@ fn cell(v: Option<u64>) -> String {
     v.map_or_else(|| "—".into(), |x| x.to_string())
 }
 
-/// The section: the table, then a paragraph for the iptables lane and for every lane whose slow
-/// rounds average under 0.8× its fast ones.
+/// The section: the table, then a paragraph for each netfilter lane and for every lane whose
+/// slow rounds average under 0.8× its fast ones.
 pub fn section(rows: &[RoundTcp]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded); and the whole machine's share of CPU time (all CPUs, from `/proc/stat`) that was stolen by the hypervisor, spent waiting on I/O, or idle, in per mille of the run, with the page cache's Dirty + Writeback right after it (`/proc/meminfo`) and the times an allocation anywhere on the machine stopped to reclaim or compact memory itself over the run (`/proc/vmstat` `allocstall_*` + `compact_stall`); then the lane's two sidecars from `/proc/<pid>/schedstat`: CPU time over the run, and for the client sidecar its mean time on the CPU per timeslice (a sidecar that runs as much as usual in far longer stretches is doing work it cannot break off, not waiting). A rate marked ↓ is below the lane's median.\n"
+        "## New-connection rounds and TCP counters\n\nEvery new-connection run of every lane, with the deltas over the run of the client and server pods' counters together: TcpExt `TCPSynRetrans`, `ListenDrops`, `ListenOverflows`, `TW` (TIME_WAIT sockets ended by their timer), `TWRecycled`, `TCPTimeWaitOverflow`; sockstat's `tw` right after the run (a level); the client pod's own TIME_WAIT sockets to the server pod's address right after the run (its `/proc/net/tcp`: under REDIRECT the app's connections and its sidecar's leave from the same address for the same address and port, `tcp_tw_reuse=2` reuses none of those TIME_WAIT sockets, and once they fill the half of the ephemeral range that `connect()` searches first, every connect walks all of it; see the README on the netfilter tail); each pod netns's own nf_conntrack statistics `insert_failed` and `drop` (— where the module is not loaded); and the whole machine's share of CPU time (all CPUs, from `/proc/stat`) that was stolen by the hypervisor, spent waiting on I/O, or idle, in per mille of the run, with the page cache's Dirty + Writeback right after it (`/proc/meminfo`) and the times an allocation anywhere on the machine stopped to reclaim or compact memory itself over the run (`/proc/vmstat` `allocstall_*` + `compact_stall`); then the lane's two sidecars from `/proc/<pid>/schedstat`: CPU time over the run, and for the client sidecar its mean time on the CPU per timeslice (a sidecar that runs as much as usual in far longer stretches is doing work it cannot break off, not waiting) and its time runnable but waiting for the CPU (what a saturated client CPU costs it). A rate marked ↓ is below the lane's median.\n"
     );
     let _ = writeln!(
         o,
@@ -304,10 +401,10 @@ pub fn section(rows: &[RoundTcp]) -> String {
     let _ = writeln!(o);
     for mode in Mode::ALL {
         match finding(rows, mode) {
-            Some(f) if mode == Mode::Iptables || bimodal(&f) => {
+            Some(f) if mode.is_netfilter() || bimodal(&f) => {
                 let _ = writeln!(o, "{}\n", explain(&f));
             }
-            None if mode == Mode::Iptables => {
+            None if mode.is_netfilter() => {
                 let _ = writeln!(
                     o,
                     "**{}**: too few rounds on either side of the median to compare.\n",
@@ -325,6 +422,8 @@ mod tests {
     use super::*;
 
     fn row(round: usize, rate: f64, syn: u64, tw: u64) -> RoundTcp {
+        // Slow rounds fill the first-searched half (14,116 ports), fast ones do not.
+        let tw_to_server = if rate < 4000.0 { 14_300 } else { 9_000 };
         RoundTcp {
             round,
             mode: Mode::Iptables,
@@ -338,6 +437,8 @@ mod tests {
             },
             machine: None,
             sidecars: None,
+            client_tw_to_server: Some(tw_to_server),
+            first_searched_ports: Some(14_116),
         }
     }
 
@@ -365,6 +466,44 @@ mod tests {
         );
         assert!(text.contains("| iptables | 1 | 2500 ↓ |"), "{text}");
         assert!(finding(&rows, Mode::Sidestep).is_none());
+        assert_eq!(
+            f.port_search,
+            Some(PortSearch {
+                slow: (14_300, 14_300),
+                fast: (9_000, 9_000),
+                first_searched: 14_116
+            })
+        );
+        assert!(
+            text.contains("against the 14,116 ports `connect()` searches first: 14,300–14,300 (101%–101%) after the slow rounds, 9000–9000 (64%–64%) after the fast ones; every slow round left more than any fast round."),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_port_range_that_does_not_explain_the_slow_rounds_is_said_so() {
+        let with_tw = |round, rate, tw| RoundTcp {
+            client_tw_to_server: Some(tw),
+            ..row(round, rate, 0, 100)
+        };
+        let rows = vec![
+            with_tw(1, 2500.0, 8_000),
+            with_tw(2, 5900.0, 12_000),
+            with_tw(3, 5000.0, 10_000),
+        ];
+        let f = finding(&rows, Mode::Iptables).unwrap();
+        assert!(!f.port_search.unwrap().separates());
+        assert!(
+            explain(&f).contains("this count does not separate the slow rounds from the fast ones"),
+            "{}",
+            explain(&f)
+        );
+        // A round whose count could not be read leaves the comparison out, not half-made.
+        let mut rows = rows;
+        rows[1].client_tw_to_server = None;
+        let f = finding(&rows, Mode::Iptables).unwrap();
+        assert_eq!(f.port_search, None);
+        assert!(!explain(&f).contains("connect()"));
     }
 
     #[test]
@@ -420,7 +559,7 @@ mod tests {
         let named: Vec<&str> = f.higher_when_slow.iter().map(|h| h.0).collect();
         assert_eq!(named, ["client sidecar µs per timeslice"], "{f:?}");
         assert!(
-            section(&rows).contains("| 3000 | 1500 | 2000 |"),
+            section(&rows).contains("| 3000 | 1500 | 0 | 2000 |"),
             "{}",
             section(&rows)
         );

@@ -50,6 +50,11 @@ impl SchedStat {
     pub fn run_ms(&self) -> u64 {
         self.run_ns / 1_000_000
     }
+
+    /// Time runnable but not on a CPU, ms: what a saturated CPU costs a sidecar.
+    pub fn wait_ms(&self) -> u64 {
+        self.wait_ns / 1_000_000
+    }
 }
 
 /// The client and the server sidecar of a lane.
@@ -97,6 +102,7 @@ mod tests {
         );
         assert_eq!(s.us_per_timeslice(), Some(200));
         assert_eq!(s.run_ms(), 3000);
+        assert_eq!(parse("1 7999999 3").unwrap().wait_ms(), 7);
         assert_eq!(parse("1 2\n"), None);
         assert_eq!(parse("1 x 3\n"), None);
         let d = s.since(SchedStat {

@@ -167,3 +167,51 @@ fn repeats_give_ranges() {
     assert!(twice.contains("v2") && !twice.contains("v1"));
     assert_eq!(twice.matches("bench:repeats:begin").count(), 1);
 }
+
+#[test]
+fn a_single_run_keeps_the_last_multi_run_spread() {
+    use crate::bench::repeats;
+    let multi = [sample(), sample()];
+    let page = repeats::with_section(
+        "# B\n\n## The run\n",
+        &repeats::section_for_page(&multi, ""),
+    );
+    assert!(page.contains("| run 1 | run 2 |"), "{page}");
+    let single = [sample()];
+    let date = single[0].sys.date.clone();
+    let once = repeats::section_for_page(&single, &page);
+    assert!(once.contains("| run 1 | run 2 |"), "{once}");
+    assert!(
+        once.contains(&format!("**Kept from an earlier `--repeat` invocation.** Every other section of this page is from a later single run ({date})")),
+        "{once}"
+    );
+    assert!(once.starts_with("## Repeats\n"), "{once}");
+    // A second single run re-dates the mark instead of stacking another one.
+    let again = repeats::section_for_page(&single, &repeats::with_section(&page, &once));
+    assert_eq!(again.matches("Kept from an earlier").count(), 1, "{again}");
+    assert_eq!(again, once);
+    // Nothing to keep: the one-run text.
+    assert!(repeats::section_for_page(&single, "# B\n").contains("One run of the suite"));
+    assert!(
+        repeats::section_for_page(
+            &single,
+            &repeats::with_section("# B\n", &repeats::section(&single))
+        )
+        .contains("One run of the suite")
+    );
+    // Several runs always write their own.
+    assert!(!repeats::section_for_page(&multi, &page).contains("Kept"));
+}
+
+#[test]
+fn bpf_cost_beside_the_overhead_never_as_a_share_of_it() {
+    let below = super::costs::bpf_against_overhead(6.73, 8.37);
+    assert!(below.contains("8.37 µs per connection"), "{below}");
+    assert!(below.contains("timed at 6.73 µs"), "{below}");
+    assert!(
+        !below.contains("of it") && !below.contains("the larger"),
+        "{below}"
+    );
+    let above = super::costs::bpf_against_overhead(7.79, 3.81);
+    assert!(above.contains("The timed cost is the larger"), "{above}");
+}
