@@ -339,3 +339,64 @@ fn port_reuse_onto_time_wait(when: ProxiesListen) -> Result<()> {
     ensure!(counter(&loaded, &server, "redirected_inbound")? >= REQUESTS as u64);
     Ok(())
 }
+
+/// A SYN behind two VLAN 0 (802.1p priority) tags reaches the stack as plain IP: the kernel
+/// strips one tag before tc and the other after it, so tc's parser sees a VLAN header where the
+/// TCP segment will be. Inbound capture must not depend on that parse. Nothing listens on the
+/// SYN's port in the server pod, so only its proxy (a HAProxy sidecar on 15006) can answer with
+/// a SYN-ACK: before enrolment every frame is refused (a RST: they are frames the stack takes),
+/// after it, under either hook, every one gets the proxy's SYN-ACK.
+#[test]
+fn a_syn_behind_vlan_tags_is_captured_under_both_hooks() -> Result<()> {
+    if skip_unless_root("a_syn_behind_vlan_tags_is_captured_under_both_hooks") {
+        return Ok(());
+    }
+    let env = TestEnv::new("inbound-vlan")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let client = node.add_pod("client")?;
+    let server = node.add_pod("server")?;
+    let loaded = Loaded::load(&env)?;
+    let link: Value = serde_json::from_str(&server.ip(&["-j", "link", "show", "eth0"])?)?;
+    let mac = link[0]["address"]
+        .as_str()
+        .context("server eth0 has no MAC")?
+        .to_owned();
+    let (src, dst) = (client.ipv4.to_string(), format!("{}:8080", server.ipv4));
+    // Root in the client pod: a packet socket needs CAP_NET_RAW.
+    let reply = |tags: &str| -> Result<String> {
+        let argv = [
+            probe(),
+            "vlan-syn",
+            "eth0",
+            &mac,
+            &src,
+            &dst,
+            "--tags",
+            tags,
+        ];
+        let out = client.run(&env, 0, &argv)?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: Value = serde_json::from_str(text.lines().last().unwrap_or_default())
+            .with_context(|| format!("probe vlan-syn printed {text:?}: {out:?}"))?;
+        ensure!(v["sent"] == 1, "vlan-syn: {v}");
+        Ok(v["reply"].as_str().unwrap_or_default().to_owned())
+    };
+    for tags in ["0", "2"] {
+        let got = reply(tags)?;
+        ensure!(got == "rst", "not enrolled, {tags} tags: {got}");
+    }
+    for hook in ["tc", "sk_lookup"] {
+        loaded.enroll(&server, &["--inbound-hook", hook])?;
+        let sidecar = haproxy::Sidecar::start(&env, &server, Default::default())?;
+        for tags in ["0", "2"] {
+            let got = reply(tags)?;
+            ensure!(
+                got == "syn-ack",
+                "{hook} hook, {tags} tags: {got} (not the proxy's SYN-ACK)"
+            );
+        }
+        drop(sidecar);
+        loaded.unenroll(&server)?;
+    }
+    Ok(())
+}
