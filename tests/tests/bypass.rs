@@ -302,6 +302,18 @@ fn socket_options_and_addresses() -> Result<()> {
     let line = f.captured("connect on a socket bound to the pod IPv6", m, &v6)?;
     ensure!(ip_of(&line["peer"])? == f.client_v6()?, "{line}");
 
+    // MPTCP (IPPROTO_MPTCP, unprivileged): the kernel connects the first subflow, a TCP socket
+    // of its own, and runs the connect hook on it. Istio REDIRECTs that subflow's SYN (it is
+    // TCP on the wire), and the proxy's plain listener makes the connection fall back to TCP.
+    // The app must also see the peer it dialled, as under REDIRECT.
+    for target in [&v4, &v6] {
+        let m = f.mark();
+        let v = f.app(&["connect-sock", target, "--mptcp", "--read"])?;
+        connected("MPTCP", &v)?;
+        ensure!(v["peer"] == *target, "MPTCP getpeername: {v}");
+        f.captured("MPTCP", m, target)?;
+    }
+
     // Bound to 127.0.0.6 (the proxy's inbound passthrough source), to a remote address: the
     // kernel refuses a loopback source off the host (EINVAL) before any rule sees a packet, with
     // iptables as with sidestep.

@@ -94,7 +94,11 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     }
     // 6. ! -d 127.0.0.1 -p tcp, not ztunnel's: to ztunnel's outbound listener.
     if !host_loopback && !ztunnel && p.flags & flags::OUTBOUND != 0 {
-        return Verdict::redirect(p.outbound_port, redirect_kind::OUTBOUND, rule::AMBIENT_OUTBOUND);
+        return Verdict::redirect(
+            p.outbound_port,
+            redirect_kind::OUTBOUND,
+            rule::AMBIENT_OUTBOUND,
+        );
     }
     Verdict::pass(if ztunnel {
         rule::AMBIENT_ZTUNNEL

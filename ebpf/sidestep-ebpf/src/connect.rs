@@ -8,20 +8,18 @@ use aya_ebpf::{
     bindings::bpf_sock,
     helpers::{
         bpf_get_current_uid_gid,
-        generated::{bpf_get_netns_cookie, bpf_setsockopt},
+        generated::{bpf_get_netns_cookie, bpf_setsockopt, bpf_skc_to_mptcp_sock},
     },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use sidestep_abi::{
-    OrigDst, defaults, flags, linux, redirect_kind, rule, socket_side, v4_mapped,
-};
+use sidestep_abi::{OrigDst, defaults, flags, linux, redirect_kind, rule, socket_side, v4_mapped};
 
 use crate::{
     ambient,
     context::{load, load_ip6, store, store_ip6},
     debuglog,
-    maps::SIDESTEP_ORIG,
+    maps::{SIDESTEP_ORIG, socket_orig_dst},
     policy::{self, Connect, LOOPBACK4_BE, LOOPBACK6, Verdict},
 };
 
@@ -109,7 +107,11 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     let verdict = if ambient_passthrough {
         Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH, rule::AMBIENT_ORIG_SRC)
     } else if tproxy_passthrough {
-        Verdict::redirect(0, redirect_kind::TPROXY_PASSTHROUGH, rule::TPROXY_PASSTHROUGH)
+        Verdict::redirect(
+            0,
+            redirect_kind::TPROXY_PASSTHROUGH,
+            rule::TPROXY_PASSTHROUGH,
+        )
     } else {
         policy::outbound_verdict(&decision)
     };
@@ -131,6 +133,13 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         // SO_ORIGINAL_DST would report it for a connection that was never redirected.
         // SAFETY: `sk` is this context's full socket, checked non-null above.
         let _ = unsafe { SIDESTEP_ORIG.delete(sk) };
+        if protocol == linux::IPPROTO_TCP {
+            // SAFETY: as above.
+            if let Some(app) = unsafe { mptcp_app_socket(sk) } {
+                // SAFETY: a socket the kernel just returned for this one.
+                let _ = unsafe { SIDESTEP_ORIG.delete(app.cast()) };
+            }
+        }
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
         return true;
     }
@@ -152,6 +161,10 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
     }
     // SAFETY: non-null storage owned by this socket; a reused socket (UDP) gets the new value.
     unsafe { *stored = orig };
+    if protocol == linux::IPPROTO_TCP {
+        // SAFETY: `sk` is this context's full socket, checked non-null above.
+        unsafe { record_on_mptcp_app_socket(sk, &mut orig) };
+    }
     if tproxy_passthrough {
         // Kept as it is: the storage only lets sockops publish the 4-tuple for sk_lookup.
         // SAFETY: `sk` is the full socket checked above.
@@ -176,6 +189,38 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         policy::count(netns_cookie, |c| c.redirected_outbound += 1);
     }
     true
+}
+
+/// The app's MPTCP socket when `sk` is the first subflow of one, which the kernel connects on
+/// the app's behalf (so this hook sees the subflow, never the socket the app holds).
+///
+/// # Safety
+/// `sk` must be the full socket of this connect program's context.
+#[inline(always)]
+unsafe fn mptcp_app_socket(sk: *mut bpf_sock) -> Option<*mut core::ffi::c_void> {
+    // SAFETY: the helper takes any socket and returns NULL unless it is an MPTCP subflow.
+    let msk = unsafe { bpf_skc_to_mptcp_sock(sk.cast()) };
+    (!msk.is_null()).then_some(msk.cast())
+}
+
+/// Gives the app's MPTCP socket the original destination too: getpeername on it must return the
+/// peer the app dialled, as under REDIRECT. Capture does not depend on it (the subflow carries
+/// the record sockops and the proxy use), so a failure here refuses nothing.
+///
+/// # Safety
+/// `sk` must be the full socket of this connect program's context.
+#[inline(always)]
+unsafe fn record_on_mptcp_app_socket(sk: *mut bpf_sock, orig: &mut OrigDst) {
+    // SAFETY: forwarded from our caller.
+    let Some(app) = (unsafe { mptcp_app_socket(sk) }) else {
+        return;
+    };
+    // SAFETY: a socket the kernel returned for this one, as sk_storage accepts.
+    let stored = unsafe { socket_orig_dst(app, Some(orig)) };
+    if !stored.is_null() {
+        // SAFETY: non-null storage owned by the app's socket.
+        unsafe { *stored = *orig };
+    }
 }
 
 /// Gives the proxy's transparent socket the mark of its way back before its SYN is routed. With

@@ -111,7 +111,13 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         && state != TCP_LISTEN
     {
         if state == TCP_TIME_WAIT {
-            remember_listener(ctx, &mut listener_tuple, seg.ipv6, netns_cookie, pod.inbound_port);
+            remember_listener(
+                ctx,
+                &mut listener_tuple,
+                seg.ipv6,
+                netns_cookie,
+                pod.inbound_port,
+            );
         }
         return NEXT;
     }

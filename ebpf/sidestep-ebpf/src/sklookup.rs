@@ -27,8 +27,7 @@ use crate::{
     debuglog,
     inbound::captures_port,
     maps::{
-        SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_NSID,
-        SIDESTEP_PEND,
+        SIDESTEP_ADDRS, SIDESTEP_IFACES, SIDESTEP_LSTN, SIDESTEP_NEST, SIDESTEP_NSID, SIDESTEP_PEND,
     },
     policy,
 };
@@ -121,7 +120,14 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     let port = local_port as u16;
     if excluded {
         if debug {
-            debuglog::inbound(&ctx, netns_cookie, &local, port, 0, rule::IN_EXCLUDED_INTERFACE);
+            debuglog::inbound(
+                &ctx,
+                netns_cookie,
+                &local,
+                port,
+                0,
+                rule::IN_EXCLUDED_INTERFACE,
+            );
         }
         return SK_PASS;
     }
@@ -163,7 +169,14 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
             policy::count(netns_cookie, |c| c.passed_inbound += 1);
         }
         if debug {
-            debuglog::inbound(&ctx, netns_cookie, &local, port, 0, rule::IN_PORT_NOT_CAPTURED);
+            debuglog::inbound(
+                &ctx,
+                netns_cookie,
+                &local,
+                port,
+                0,
+                rule::IN_PORT_NOT_CAPTURED,
+            );
         }
         return SK_PASS;
     }
@@ -184,7 +197,14 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         } else {
             rule::IN_NO_LISTENER
         };
-        debuglog::inbound(&ctx, netns_cookie, &local, port, redirect_kind::INBOUND, outcome);
+        debuglog::inbound(
+            &ctx,
+            netns_cookie,
+            &local,
+            port,
+            redirect_kind::INBOUND,
+            outcome,
+        );
     }
     if !assigned {
         // Captured, but no proxy listens: refuse rather than deliver around the proxy.

@@ -17,7 +17,7 @@
 //! probe tfo ADDR [--data TEXT]       TCP Fast Open: sendto(MSG_FASTOPEN) on a fresh socket, print
 //!                                    {"sent","peer","local","reply"}
 //! probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] [--read]
-//!       [--linger0] [--first ADDR] [--timeout-ms N]
+//!       [--linger0] [--first ADDR] [--timeout-ms N] [--mptcp]
 //!     connect a socket prepared first (--fill-optmem: TCP-MD5 keys until net.core.optmem_max is
 //!     used up; --first: connect it to ADDR first, expecting that to fail); print
 //!     {"peer","local","reply","md5_keys","first_errno","orig_v4"} or {"error","errno","stage"}
@@ -125,6 +125,7 @@ fn main() {
                 read: flag("--read"),
                 linger0: flag("--linger0"),
                 first: option("--first").map(parse),
+                mptcp: flag("--mptcp"),
                 timeout: Duration::from_millis(
                     option("--timeout-ms")
                         .map(|ms| ms.parse().expect("probe: --timeout-ms takes milliseconds"))

@@ -9,7 +9,8 @@ use std::{
 };
 
 use crate::sock::{
-    bind, check, json_result, listen, open_connected, original_dst, set_int, sockaddr, tcp_socket,
+    bind, check, json_result, listen, open_connected, original_dst, set_int, sockaddr,
+    stream_socket, tcp_socket,
 };
 
 /// `{"error","errno","stage"}` for a failed step.
@@ -174,15 +175,19 @@ pub(super) struct SockOptions {
     /// can connect again only after a failed connect).
     pub(super) first: Option<SocketAddr>,
     pub(super) timeout: Duration,
+    /// An MPTCP socket (`IPPROTO_MPTCP`): the kernel connects its first subflow, a TCP socket
+    /// of its own, on the app's behalf.
+    pub(super) mptcp: bool,
 }
 
 /// `probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] [--read]
-/// [--linger0] [--timeout-ms N]`: a blocking connect on a socket prepared first (SO_REUSEADDR,
+/// [--linger0] [--timeout-ms N] [--mptcp]`: a blocking connect on a socket prepared first (SO_REUSEADDR,
 /// SO_MARK, SO_LINGER 0, bound, option memory filled with TCP-MD5 keys); with --read it waits for
 /// the peer's reply and EOF. Prints {"peer","local","reply","md5_keys"} or
 /// {"error","errno","stage"}.
 pub(super) fn connect_sock(addr: SocketAddr, o: &SockOptions) -> i32 {
-    let sock = match tcp_socket(addr, 0) {
+    let protocol = if o.mptcp { libc::IPPROTO_MPTCP } else { 0 };
+    let sock = match stream_socket(addr, protocol) {
         Ok(s) => s,
         Err(e) => {
             print_error("socket", &e);

@@ -105,14 +105,27 @@ pub(super) fn check(rc: libc::c_int) -> std::io::Result<libc::c_int> {
 
 /// A new TCP socket of `addr`'s family.
 pub(super) fn tcp_socket(addr: SocketAddr, flags: libc::c_int) -> std::io::Result<OwnedFd> {
+    stream_socket_with(addr, flags, 0)
+}
+
+/// A stream socket of `protocol` (0 for TCP, or `IPPROTO_MPTCP`) for `addr`'s family.
+pub(super) fn stream_socket(addr: SocketAddr, protocol: libc::c_int) -> std::io::Result<OwnedFd> {
+    stream_socket_with(addr, 0, protocol)
+}
+
+fn stream_socket_with(
+    addr: SocketAddr,
+    flags: libc::c_int,
+    protocol: libc::c_int,
+) -> std::io::Result<OwnedFd> {
     let domain = if addr.is_ipv4() {
         libc::AF_INET
     } else {
         libc::AF_INET6
     };
+    let ty = libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags;
     // SAFETY: plain system call; the descriptor is owned right away.
-    let fd =
-        check(unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags, 0) })?;
+    let fd = check(unsafe { libc::socket(domain, ty, protocol) })?;
     // SAFETY: `fd` is a fresh descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
