@@ -363,6 +363,37 @@ fn parse_mac(text: &str) -> Option<[u8; 6]> {
     bytes.try_into().ok()
 }
 
+/// `iface`'s MAC, asked of this netns's kernel (sysfs may be another netns's, as it is after a
+/// bare setns).
+fn hardware_address(iface: &str) -> std::io::Result<[u8; 6]> {
+    // SAFETY: plain system call; the descriptor is owned right away.
+    let fd =
+        check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: all-zero is a valid ifreq.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    let name = iface.as_bytes();
+    if name.len() >= ifr.ifr_name.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "IFACE: name too long",
+        ));
+    }
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(name) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: `ifr` is a live ifreq naming the interface; the kernel writes its hardware address.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &raw mut ifr) })?;
+    // SAFETY: SIOCGIFHWADDR filled the union's hardware-address member.
+    let data = unsafe { ifr.ifr_ifru.ifru_hwaddr.sa_data };
+    let mut mac = [0u8; 6];
+    for (m, d) in mac.iter_mut().zip(data) {
+        *m = d as u8;
+    }
+    Ok(mac)
+}
+
 /// `probe vlan-syn IFACE DST-MAC SRC DST [--tags N] [--wait-ms N]`: sends a SYN from SRC to DST
 /// as one Ethernet frame out of IFACE (a packet socket) to DST-MAC, behind N 802.1Q tags of
 /// VLAN 0 (default 2). The kernel strips the first tag before tc runs and the others after it,
@@ -382,8 +413,7 @@ pub(super) fn vlan_syn(
             |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
         let dst_mac =
             parse_mac(dst_mac).ok_or_else(|| invalid("DST-MAC: want aa:bb:cc:dd:ee:ff"))?;
-        let own = std::fs::read_to_string(format!("/sys/class/net/{iface}/address"))?;
-        let src_mac = parse_mac(&own).ok_or_else(|| invalid("IFACE has no Ethernet address"))?;
+        let src_mac = hardware_address(iface)?;
         let ifindex = nix::net::if_::if_nametoindex(iface).map_err(std::io::Error::from)?;
         let packet = ip_packet(src, dst.ip(), &tcp_syn(src, sport, dst));
         let frame = tagged_frame(dst_mac, src_mac, tags, dst.is_ipv6(), &packet);
