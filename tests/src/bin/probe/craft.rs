@@ -234,6 +234,22 @@ fn await_reply(rx: &OwnedFd, from: SocketAddr, to_port: u16, wait: Duration) -> 
     }
 }
 
+/// sendto(2) of `bytes` on `fd` to `addr`, a socket address of `len` bytes.
+fn send_to<A>(fd: &OwnedFd, bytes: &[u8], addr: &A, len: libc::socklen_t) -> std::io::Result<()> {
+    // SAFETY: `bytes` and `addr` are live for the call, and the caller passes `addr`'s length.
+    check(unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            bytes.as_ptr().cast(),
+            bytes.len(),
+            0,
+            std::ptr::from_ref(addr).cast(),
+            len,
+        ) as libc::c_int
+    })
+    .map(drop)
+}
+
 /// A source port for a crafted SYN: from the pid, so that concurrent probes differ.
 fn crafted_sport() -> u16 {
     20000 + (std::process::id() % 20000) as u16
@@ -287,17 +303,7 @@ pub(super) fn frag_syn(src: IpAddr, dst: SocketAddr, wait: Duration) -> i32 {
         let (ss, len) = sockaddr(SocketAddr::new(dst.ip(), 0));
         let mut sent = 0;
         for frag in fragments(src, sport, dst, std::process::id()) {
-            // SAFETY: `frag` and `ss` are live for the call and their lengths are passed.
-            check(unsafe {
-                libc::sendto(
-                    tx.as_raw_fd(),
-                    frag.as_ptr().cast(),
-                    frag.len(),
-                    0,
-                    (&raw const ss).cast(),
-                    len,
-                ) as libc::c_int
-            })?;
+            send_to(&tx, &frag, &ss, len)?;
             sent += 1;
         }
         Ok(sent)
@@ -425,17 +431,8 @@ pub(super) fn vlan_syn(
         ll.sll_ifindex = ifindex as i32;
         ll.sll_halen = 6;
         ll.sll_addr[..6].copy_from_slice(&dst_mac);
-        // SAFETY: `frame` and `ll` are live for the call and their lengths are passed.
-        check(unsafe {
-            libc::sendto(
-                tx.as_raw_fd(),
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&raw const ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            ) as libc::c_int
-        })?;
+        let len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+        send_to(&tx, &frame, &ll, len)?;
         Ok(1)
     })
 }
