@@ -37,6 +37,22 @@ fn probe() -> &'static str {
 
 use fixture::{Fixture, connected, failed_with, ip_of, json_lines, last_json};
 
+/// The IPv6 link-local address of `pod`'s eth0.
+fn link_local_of(pod: &sidestep_tests::Pod) -> Result<String> {
+    let out = pod.ip(&["-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"])?;
+    out.split_whitespace()
+        .skip_while(|w| *w != "inet6")
+        .nth(1)
+        .and_then(|a| a.split('/').next())
+        .map(str::to_owned)
+        .with_context(|| format!("no link-local address on {}'s eth0: {out}", pod.name))
+}
+
+fn ifindex_of(pod: &sidestep_tests::Pod, iface: &str) -> Result<u64> {
+    let v: Value = serde_json::from_str(&pod.ip(&["-j", "link", "show", iface])?)?;
+    v[0]["ifindex"].as_u64().context("no ifindex")
+}
+
 #[test]
 fn ipv6_and_ipv4_mapped() -> Result<()> {
     if skip_unless_root("ipv6_and_ipv4_mapped") {
@@ -64,6 +80,20 @@ fn ipv6_and_ipv4_mapped() -> Result<()> {
     ensure!(v["peer"] == mapped, "{v}");
     let line = f.captured("IPv4-mapped IPv6 (default policy)", m, &v4)?;
     ensure!(line["listener"] == "127.0.0.1:15001", "{line}");
+
+    // The server's link-local address, with the client's eth0 as its scope: ip6tables' OUTPUT
+    // chain matches it like any address off lo, so Istio captures it.
+    let ll = link_local_of(&f.server)?;
+    let scope = ifindex_of(&f.client, "eth0")?;
+    let target = format!("[{ll}%{scope}]:{PORT}");
+    // getpeername reports the address without its scope: a getpeername program can rewrite the
+    // address and port, and bpf_sock_addr has no scope field.
+    let unscoped = format!("[{ll}]:{PORT}");
+    let m = f.mark();
+    let v = f.app(&["connect-sock", &target, "--read"])?;
+    connected("IPv6 link-local", &v)?;
+    ensure!(v["peer"] == unscoped, "{v}");
+    f.captured("IPv6 link-local of another pod", m, &unscoped)?;
 
     // IPv4 only (--no-ipv6): IPv6 goes straight out. This is Istio's boundary: for a pod that
     // it does not see as IPv6, istio-iptables builds no ip6tables rules at all, so IPv6 leaves
