@@ -46,6 +46,11 @@ const HELPERS: &[(ProgramType, BpfHelper, &str)] = &[
         "bpf_sk_storage_get in cgroup sock_addr programs",
     ),
     (
+        ProgramType::CgroupSockAddr,
+        BpfHelper::BPF_FUNC_skc_to_mptcp_sock,
+        "bpf_skc_to_mptcp_sock in cgroup sock_addr programs (an MPTCP app's getpeername)",
+    ),
+    (
         ProgramType::SockOps,
         BpfHelper::BPF_FUNC_get_netns_cookie,
         "bpf_get_netns_cookie in sock_ops programs",
@@ -69,6 +74,11 @@ const HELPERS: &[(ProgramType, BpfHelper, &str)] = &[
         ProgramType::SchedClassifier,
         BpfHelper::BPF_FUNC_skc_lookup_tcp,
         "bpf_skc_lookup_tcp in tc programs",
+    ),
+    (
+        ProgramType::SchedClassifier,
+        BpfHelper::BPF_FUNC_skb_vlan_pop,
+        "bpf_skb_vlan_pop in tc programs (VLAN tags on re-routed interfaces)",
     ),
     (
         ProgramType::SkLookup,

@@ -24,6 +24,10 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     ("ambient", &[]),
     // sk_msg's sticky fallback under bulk writes (reads kernel struct fields at BTF offsets).
     ("skmsg_bulk", &[]),
+    // Bypass attempts as the app (MPTCP's subflow hand-over, TFO, option memory) and re-routed
+    // interfaces (tc DNAT, VLAN tag pops): kernel behaviour the capture relies on.
+    ("bypass", &[]),
+    ("reroute", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.
