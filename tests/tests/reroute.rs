@@ -150,6 +150,7 @@ fn reroute_matches_istios_ruleset() -> Result<()> {
                 crafted(Craft::VlanSyn(2), sa(p4.into(), 80)),
                 crafted(Craft::VlanSyn(2), sa(p6.into(), 80)),
                 crafted(Craft::VlanSyn(4), sa(p4.into(), 80)),
+                crafted(Craft::QinQSyn, sa(p4.into(), 80)),
                 mark(
                     crafted(Craft::VlanSyn(6), sa(p4.into(), 80)),
                     Intended::DeepTagsDropped,

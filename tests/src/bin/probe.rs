@@ -165,6 +165,7 @@ fn main() {
                 .expect("probe: vlan-syn IFACE DST-MAC SRC-IP DST"),
             addr(4),
             option("--tags").map_or(2, |n| n.parse().expect("probe: --tags takes a count")),
+            flag("--outer-ad"),
             Duration::from_millis(
                 option("--wait-ms")
                     .map(|ms| ms.parse().expect("probe: --wait-ms takes milliseconds"))

@@ -58,6 +58,8 @@ pub(super) enum Craft {
     /// One SYN in an Ethernet frame behind this many 802.1Q tags of VLAN 0 (`probe vlan-syn`):
     /// the kernel strips one tag before tc and the rest after it, then routes the IP packet.
     VlanSyn(u8),
+    /// The same behind an 802.1ad (QinQ service) tag and an 802.1Q tag, both VLAN 0.
+    QinQSyn,
 }
 
 /// A row sidestep answers differently from Istio on purpose; its exact outcome is asserted.
@@ -120,6 +122,7 @@ impl Crafted {
             Craft::HopOpts => "+hop-by-hop",
             Craft::DstOpts => "+dest-opts",
             Craft::FragSyn => "fragmented SYN",
+            Craft::QinQSyn => "SYN behind 802.1ad + 802.1Q VLAN 0 tags",
             Craft::VlanSyn(n) => {
                 return format!("{} SYN behind {n} VLAN 0 tags", names.addr(self.to));
             }
@@ -199,7 +202,7 @@ pub(super) fn observe_crafted(
             let client = vm.probe(&["connect-ext", &to, opt])?;
             Ok(Seen::Conn(settle(names, listeners, &client)?))
         }
-        Craft::FragSyn | Craft::VlanSyn(_) => {
+        Craft::FragSyn | Craft::VlanSyn(_) | Craft::QinQSyn => {
             let src = if c.to.is_ipv4() { VM4 } else { VM6 };
             let before = tcp_in_segs(destination)?;
             let (got, packets) = match c.how {
@@ -207,6 +210,11 @@ pub(super) fn observe_crafted(
                     let tags = tags.to_string();
                     let mac = vm.gateway_mac.as_str();
                     let args = ["vlan-syn", "eth0", mac, src, &to, "--tags", &tags];
+                    (vm.probe(&args)?, 1)
+                }
+                Craft::QinQSyn => {
+                    let mac = vm.gateway_mac.as_str();
+                    let args = ["vlan-syn", "eth0", mac, src, &to, "--outer-ad"];
                     (vm.probe(&args)?, 1)
                 }
                 _ => (vm.probe(&["frag-syn", src, &to, "--wait-ms", "1500"])?, 2),

@@ -338,19 +338,26 @@ fn ip_packet(src: IpAddr, dst: IpAddr, tcp: &[u8]) -> Vec<u8> {
 }
 
 const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
 
-/// An Ethernet frame from `src_mac` to `dst_mac` holding `packet` behind `tags` 802.1Q tags,
-/// each VLAN 0 (priority-tagged, priority 0).
+/// An Ethernet frame from `src_mac` to `dst_mac` holding `packet` behind `tags` VLAN tags, each
+/// VLAN 0 (priority-tagged, priority 0): 802.1Q tags, the outermost an 802.1ad (QinQ service)
+/// tag with `outer_ad`.
 fn tagged_frame(
-    dst_mac: [u8; 6],
-    src_mac: [u8; 6],
+    (dst_mac, src_mac): ([u8; 6], [u8; 6]),
     tags: usize,
+    outer_ad: bool,
     ipv6: bool,
     packet: &[u8],
 ) -> Vec<u8> {
     let mut f = [&dst_mac[..], &src_mac].concat();
-    for _ in 0..tags {
-        f.extend_from_slice(&ETH_P_8021Q.to_be_bytes());
+    for i in 0..tags {
+        let tpid = if i == 0 && outer_ad {
+            ETH_P_8021AD
+        } else {
+            ETH_P_8021Q
+        };
+        f.extend_from_slice(&tpid.to_be_bytes());
         f.extend_from_slice(&[0, 0]);
     }
     let ethertype: u16 = if ipv6 { 0x86dd } else { 0x0800 };
@@ -400,9 +407,9 @@ fn hardware_address(iface: &str) -> std::io::Result<[u8; 6]> {
     Ok(mac)
 }
 
-/// `probe vlan-syn IFACE DST-MAC SRC DST [--tags N] [--wait-ms N]`: sends a SYN from SRC to DST
-/// as one Ethernet frame out of IFACE (a packet socket) to DST-MAC, behind N 802.1Q tags of
-/// VLAN 0 (default 2). The kernel strips the first tag before tc runs and the others after it,
+/// `probe vlan-syn IFACE DST-MAC SRC DST [--tags N] [--outer-ad] [--wait-ms N]`: sends a SYN from
+/// SRC to DST as one Ethernet frame out of IFACE (a packet socket) to DST-MAC, behind N 802.1Q
+/// tags of VLAN 0 (default 2; with --outer-ad the outermost is an 802.1ad tag). The kernel strips the first tag before tc runs and the others after it,
 /// then delivers the packet as untagged IP: a tc program that reads the frame as the wire has
 /// it sees a VLAN header where the IP packet the stack gets is. Prints what `frag-syn` prints.
 pub(super) fn vlan_syn(
@@ -411,6 +418,7 @@ pub(super) fn vlan_syn(
     src: IpAddr,
     dst: SocketAddr,
     tags: usize,
+    outer_ad: bool,
     wait: Duration,
 ) -> i32 {
     let sport = crafted_sport();
@@ -422,7 +430,8 @@ pub(super) fn vlan_syn(
         let src_mac = hardware_address(iface)?;
         let ifindex = nix::net::if_::if_nametoindex(iface).map_err(std::io::Error::from)?;
         let packet = ip_packet(src, dst.ip(), &tcp_syn(src, sport, dst));
-        let frame = tagged_frame(dst_mac, src_mac, tags, dst.is_ipv6(), &packet);
+        let macs = (dst_mac, src_mac);
+        let frame = tagged_frame(macs, tags, outer_ad, dst.is_ipv6(), &packet);
         // Protocol 0: this socket only sends.
         let tx = raw_socket(libc::AF_PACKET, 0)?;
         // SAFETY: all-zero is a valid sockaddr_ll; the fields that matter are set below.
@@ -448,9 +457,11 @@ mod tests {
         let packet = ip_packet(s, d.ip(), &tcp_syn(s, 1234, d));
         assert_eq!(packet.len(), 52);
         assert_eq!(checksum(&[&packet[..20]]), 0, "IPv4 header checksum");
-        let f = tagged_frame([2; 6], [4; 6], 2, false, &packet);
+        let f = tagged_frame(([2; 6], [4; 6]), 2, false, false, &packet);
         assert_eq!(&f[12..22], &[0x81, 0, 0, 0, 0x81, 0, 0, 0, 0x08, 0]);
         assert_eq!(&f[22..], &packet[..]);
+        let qinq = tagged_frame(([2; 6], [4; 6]), 2, true, false, &packet);
+        assert_eq!(&qinq[12..22], &[0x88, 0xa8, 0, 0, 0x81, 0, 0, 0, 0x08, 0]);
         assert_eq!(
             parse_mac("0a:58:c0:a8:4d:01\n"),
             Some([10, 0x58, 0xc0, 0xa8, 0x4d, 1])
