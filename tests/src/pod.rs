@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde_json::Value;
 
 use crate::env::TestEnv;
@@ -141,5 +141,41 @@ impl Pod {
         let mut argv = vec!["ip", "-n", &self.netns_name];
         argv.extend_from_slice(args);
         crate::util::cmd(&argv)
+    }
+
+    /// The IPv6 link-local address of `dev` in the pod's netns.
+    pub fn link_local(&self, dev: &str) -> Result<Ipv6Addr> {
+        let out = self.ip(&["-6", "-o", "addr", "show", "dev", dev, "scope", "link"])?;
+        out.split_whitespace()
+            .skip_while(|w| *w != "inet6")
+            .nth(1)
+            .and_then(|a| a.split('/').next()?.parse().ok())
+            .with_context(|| format!("no link-local address on {dev} in pod {}: {out}", self.name))
+    }
+
+    /// `ip -j link show dev`'s object for `dev` in the pod's netns.
+    fn link(&self, dev: &str) -> Result<Value> {
+        let out = self.ip(&["-j", "link", "show", dev])?;
+        let v: Value = serde_json::from_str(&out)
+            .with_context(|| format!("ip -j link show {dev} in pod {}: {out}", self.name))?;
+        Ok(v[0].clone())
+    }
+
+    /// The index of `dev` in the pod's netns.
+    pub fn ifindex(&self, dev: &str) -> Result<u32> {
+        let link = self.link(dev)?;
+        link["ifindex"]
+            .as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .with_context(|| format!("no ifindex for {dev} in pod {}: {link}", self.name))
+    }
+
+    /// The MAC address of `dev` in the pod's netns, as `ip` prints it.
+    pub fn mac(&self, dev: &str) -> Result<String> {
+        let link = self.link(dev)?;
+        link["address"]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("no address for {dev} in pod {}: {link}", self.name))
     }
 }

@@ -37,22 +37,6 @@ fn probe() -> &'static str {
 
 use fixture::{Fixture, connected, failed_with, ip_of, json_lines, last_json};
 
-/// The IPv6 link-local address of `pod`'s eth0.
-fn link_local_of(pod: &sidestep_tests::Pod) -> Result<String> {
-    let out = pod.ip(&["-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"])?;
-    out.split_whitespace()
-        .skip_while(|w| *w != "inet6")
-        .nth(1)
-        .and_then(|a| a.split('/').next())
-        .map(str::to_owned)
-        .with_context(|| format!("no link-local address on {}'s eth0: {out}", pod.name))
-}
-
-fn ifindex_of(pod: &sidestep_tests::Pod, iface: &str) -> Result<u64> {
-    let v: Value = serde_json::from_str(&pod.ip(&["-j", "link", "show", iface])?)?;
-    v[0]["ifindex"].as_u64().context("no ifindex")
-}
-
 #[test]
 fn ipv6_and_ipv4_mapped() -> Result<()> {
     if skip_unless_root("ipv6_and_ipv4_mapped") {
@@ -83,8 +67,8 @@ fn ipv6_and_ipv4_mapped() -> Result<()> {
 
     // The server's link-local address, with the client's eth0 as its scope: ip6tables' OUTPUT
     // chain matches it like any address off lo, so Istio captures it.
-    let ll = link_local_of(&f.server)?;
-    let scope = ifindex_of(&f.client, "eth0")?;
+    let ll = f.server.link_local("eth0")?;
+    let scope = f.client.ifindex("eth0")?;
     let target = format!("[{ll}%{scope}]:{PORT}");
     // getpeername reports the address without its scope: a getpeername program can rewrite the
     // address and port, and bpf_sock_addr has no scope field.

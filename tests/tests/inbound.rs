@@ -356,11 +356,7 @@ fn a_syn_behind_vlan_tags_is_captured_under_both_hooks() -> Result<()> {
     let client = node.add_pod("client")?;
     let server = node.add_pod("server")?;
     let loaded = Loaded::load(&env)?;
-    let link: Value = serde_json::from_str(&server.ip(&["-j", "link", "show", "eth0"])?)?;
-    let mac = link[0]["address"]
-        .as_str()
-        .context("server eth0 has no MAC")?
-        .to_owned();
+    let mac = server.mac("eth0")?;
     let (src, dst) = (client.ipv4.to_string(), format!("{}:8080", server.ipv4));
     // Root in the client pod: a packet socket needs CAP_NET_RAW.
     let reply = |tags: &str| -> Result<String> {

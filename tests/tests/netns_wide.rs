@@ -7,7 +7,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
-use sidestep_tests::{Node, NodeOptions, Pod, Spawn, TestEnv, sidestep::Loaded, skip_unless_root};
+use sidestep_tests::{Node, NodeOptions, Spawn, TestEnv, sidestep::Loaded, skip_unless_root};
 
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
@@ -30,18 +30,6 @@ fn addresses_enrolment_never_saw_are_captured_with_tc() -> Result<()> {
         return Ok(());
     }
     unseen_addresses_are_captured("tc")
-}
-
-/// The link-local address of the pod's eth0, with its scope as the client must give it.
-fn link_local(pod: &Pod) -> Result<String> {
-    let out = pod.ip(&["-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"])?;
-    let addr = out
-        .split_whitespace()
-        .skip_while(|w| *w != "inet6")
-        .nth(1)
-        .and_then(|a| a.split('/').next())
-        .context("no link-local address on eth0")?;
-    Ok(addr.to_string())
 }
 
 fn unseen_addresses_are_captured(hook: &str) -> Result<()> {
@@ -87,7 +75,7 @@ fn unseen_addresses_are_captured(hook: &str) -> Result<()> {
         .context("no ifindex")?
         .trim()
         .to_string();
-    let ll = link_local(&server)?;
+    let ll = server.link_local("eth0")?.to_string();
     let targets = [
         (
             late.to_string(),

@@ -42,25 +42,6 @@ pub(super) struct Ifaces {
     pub(super) late6: Ipv6Addr,
 }
 
-/// The index of `dev` in `pod`'s netns.
-fn ifindex(pod: &Pod, dev: &str) -> Result<u32> {
-    let out = pod.ip(&["-o", "link", "show", dev])?;
-    out.split(':')
-        .next()
-        .and_then(|i| i.trim().parse().ok())
-        .with_context(|| format!("no ifindex for {dev} in pod {}: {out}", pod.name))
-}
-
-/// The link-local address of `dev` in `pod`'s netns.
-fn link_local(pod: &Pod, dev: &str) -> Result<Ipv6Addr> {
-    let out = pod.ip(&["-6", "-o", "addr", "show", "dev", dev, "scope", "link"])?;
-    out.split_whitespace()
-        .skip_while(|w| *w != "inet6")
-        .nth(1)
-        .and_then(|a| a.split('/').next()?.parse().ok())
-        .with_context(|| format!("no link-local address on {dev} of pod {}: {out}", pod.name))
-}
-
 /// The first address of each family that a CNI result put on the pod.
 fn result_ips(result: &Value) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
     let mut v4 = None;
@@ -90,13 +71,13 @@ impl Ifaces {
             q6: q.ipv6.context("dual-stack pod without IPv6")?,
             n4: n4.context("net1 without IPv4")?,
             n6: n6.context("net1 without IPv6")?,
-            ll: link_local(s, "eth0")?,
-            ll1: link_local(s, "net1")?,
-            p_ll: link_local(p, "eth0")?,
-            s_eth0: ifindex(s, "eth0")?,
-            s_net1: ifindex(s, "net1")?,
-            p_eth0: ifindex(p, "eth0")?,
-            q_eth0: ifindex(&q, "eth0")?,
+            ll: s.link_local("eth0")?,
+            ll1: s.link_local("net1")?,
+            p_ll: p.link_local("eth0")?,
+            s_eth0: s.ifindex("eth0")?,
+            s_net1: s.ifindex("net1")?,
+            p_eth0: p.ifindex("eth0")?,
+            q_eth0: q.ifindex("eth0")?,
             // In eth0's subnets (a /24 and a /64), far above what host-local hands out here.
             late4: Ipv4Addr::new(octets[0], octets[1], octets[2], 200),
             late6: Ipv6Addr::from((u128::from(s6) & !0xffff_ffff_ffff_ffff_u128) | 0x200),

@@ -61,15 +61,7 @@ impl Vm {
         run(&["ip", "-n", v, "-6", "route", "add", "default", "via", GW6])?;
         netns::wait_no_tentative(p, Duration::from_secs(5))?;
         netns::wait_no_tentative(v, Duration::from_secs(5))?;
-        let link = Command::new("ip")
-            .args(["-n", p, "-j", "link", "show", IFACE])
-            .output()?;
-        let link: Value = serde_json::from_slice(&link.stdout)
-            .with_context(|| format!("ip -j link show {IFACE} in {p}"))?;
-        vm.gateway_mac = link[0]["address"]
-            .as_str()
-            .with_context(|| format!("{IFACE} in {p} has no address: {link}"))?
-            .to_owned();
+        vm.gateway_mac = pod.mac(IFACE)?;
         Ok(vm)
     }
 
