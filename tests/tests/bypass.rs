@@ -125,11 +125,21 @@ fn udp_goes_direct_and_dns_is_captured() -> Result<()> {
         );
     }
     // The DNS listener the proxy would run (only used with DNS capture on).
-    servers.push(f.client.spawn(
-        &f.env,
-        Spawn::new(&[probe(), "udp-serve", "127.0.0.1:15053"]).user(PROXY_UID, PROXY_UID),
-    )?);
+    servers.push(
+        f.client.spawn(
+            &f.env,
+            Spawn::new(&[
+                probe(),
+                "udp-serve",
+                "127.0.0.1:15053",
+                "--name",
+                "dns-proxy",
+            ])
+            .user(PROXY_UID, PROXY_UID),
+        )?,
+    );
     std::thread::sleep(Duration::from_millis(300));
+    // The servers in the server pod answer without a name, the DNS listener with its own.
     let from_client = |v: &Value| {
         v["reply"]
             .as_str()
@@ -179,8 +189,8 @@ fn udp_goes_direct_and_dns_is_captured() -> Result<()> {
         );
     }
 
-    // With DNS capture, port 53 is captured both ways and answered by the local listener (its
-    // reply is addressed to the app's loopback source), reported as coming from the server.
+    // With DNS capture, port 53 is captured both ways and answered by the local listener,
+    // reported as coming from the server.
     f.loaded.enroll(&f.client, &["--dns-capture"])?;
     for connect in [false, true] {
         let mode = if connect { "connected" } else { "unconnected" };
@@ -193,7 +203,7 @@ fn udp_goes_direct_and_dns_is_captured() -> Result<()> {
         ensure!(
             v["reply"]
                 .as_str()
-                .is_some_and(|r| r.starts_with("reply to 127.0.0.1:")),
+                .is_some_and(|r| r.starts_with("dns-proxy: reply to ")),
             "{mode} DNS with --dns-capture was not captured: {v}"
         );
         eprintln!("bypass: {mode} UDP to port 53 with --dns-capture: captured: {v}");

@@ -16,10 +16,18 @@ fn probe() -> &'static str {
 }
 
 fn query(env: &TestEnv, pod: &Pod, uid: u32, server: &str, connect: bool) -> Result<Value> {
+    query_with(
+        env,
+        pod,
+        uid,
+        server,
+        if connect { &["--connect"] } else { &[] },
+    )
+}
+
+fn query_with(env: &TestEnv, pod: &Pod, uid: u32, server: &str, opts: &[&str]) -> Result<Value> {
     let mut argv = vec![probe(), "udp-query", server];
-    if connect {
-        argv.push("--connect");
-    }
+    argv.extend(opts);
     let out = pod.run(env, uid, &argv)?;
     serde_json::from_slice(&out.stdout)
         .with_context(|| format!("probe said {:?}", String::from_utf8_lossy(&out.stdout)))
@@ -40,11 +48,19 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     // The "proxy" DNS listener on 15053 (UDP and TCP), and a real resolver in another pod.
     let _udp4 = pod.spawn(
         &env,
-        Spawn::new(&[probe(), "udp-serve", "127.0.0.1:15053"]).user(PROXY_UID, PROXY_UID),
+        Spawn::new(&[
+            probe(),
+            "udp-serve",
+            "127.0.0.1:15053",
+            "--name",
+            "dns-proxy",
+        ])
+        .user(PROXY_UID, PROXY_UID),
     )?;
     let _udp6 = pod.spawn(
         &env,
-        Spawn::new(&[probe(), "udp-serve", "[::1]:15053"]).user(PROXY_UID, PROXY_UID),
+        Spawn::new(&[probe(), "udp-serve", "[::1]:15053", "--name", "dns-proxy"])
+            .user(PROXY_UID, PROXY_UID),
     )?;
     let tcp = pod.spawn(
         &env,
@@ -52,50 +68,72 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
             .user(PROXY_UID, PROXY_UID),
     )?;
     let real = format!("{}:53", resolver.ipv4);
-    let _upstream = resolver.spawn(&env, Spawn::new(&[probe(), "udp-serve", "0.0.0.0:53"]))?;
+    let _upstream = resolver.spawn(
+        &env,
+        Spawn::new(&[probe(), "udp-serve", "0.0.0.0:53", "--name", "upstream"]),
+    )?;
+    let other = format!("{}:5353", resolver.ipv4);
+    let _other = resolver.spawn(
+        &env,
+        Spawn::new(&[probe(), "udp-serve", &other, "--name", "other"]),
+    )?;
     std::thread::sleep(Duration::from_millis(300));
+    let pod6 = pod.ipv6.context("IPv6")?;
+    // Captured: the DNS listener answers, the app sees the reply come from the server it asked,
+    // and the listener saw the query come from the pod's address, as under REDIRECT.
+    let answered = |r: &Value, server: &str, by: &str, source: &str| -> Result<()> {
+        ensure!(
+            r["from"] == server,
+            "the reply's source is not {server}: {r}"
+        );
+        ensure!(
+            r["reply"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(&format!("{by}: reply to {source}:")),
+            "not answered by {by} to {source}: {r}"
+        );
+        Ok(())
+    };
+    let pod4 = pod.ipv4.to_string();
 
-    // Unconnected UDP: answered by the listener, reported as coming from the server asked.
+    // Unconnected UDP (sendmsg4/recvmsg4).
     let r = query(&env, &pod, APP_UID, &real, false)?;
-    ensure!(r["from"] == real, "{r}");
+    answered(&r, &real, "dns-proxy", &pod4)?;
+    // Connected UDP from a socket that never bound (C's and Go's resolvers): connect4 binds it
+    // to the pod's address, so its own getsockname says so too.
+    let r = query_with(&env, &pod, APP_UID, &real, &["--connect", "--unbound"])?;
+    answered(&r, &real, "dns-proxy", &pod4)?;
     ensure!(
-        r["reply"]
+        r["local"]
             .as_str()
             .unwrap_or("")
-            .starts_with("reply to 127.0.0.1:"),
-        "not captured: {r}"
+            .starts_with(&format!("{pod4}:")),
+        "the app's getsockname is not the pod's address: {r}"
     );
-    // Connected UDP.
+    // Connected UDP from a socket bound to a port first (Rust's UdpSocket): a bound port cannot
+    // take an address any more, so it keeps the loopback source (docs/ARCHITECTURE.md, known
+    // gaps). Captured all the same.
     let r = query(&env, &pod, APP_UID, &real, true)?;
-    ensure!(r["from"] == real, "{r}");
-    ensure!(
-        r["reply"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("reply to 127.0.0.1:"),
-        "not captured: {r}"
-    );
+    answered(&r, &real, "dns-proxy", "127.0.0.1")?;
+    // The same never-bound socket moving on to another server after a captured connect: its
+    // source is the pod's address, not the 127.0.0.1 a UDP socket keeps from its first connect
+    // (from which the second connect could not leave the pod).
+    let r = query_with(
+        &env,
+        &pod,
+        APP_UID,
+        &other,
+        &["--connect", "--unbound", "--first", &real],
+    )?;
+    answered(&r, &other, "other", &pod4)?;
     // IPv6 unconnected UDP.
     let real6 = format!("[{}]:53", resolver.ipv6.context("IPv6")?);
     let r = query(&env, &pod, APP_UID, &real6, false)?;
-    ensure!(r["from"] == real6, "{r}");
-    ensure!(
-        r["reply"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("reply to [::1]:"),
-        "v6 not captured: {r}"
-    );
+    answered(&r, &real6, "dns-proxy", &format!("[{pod6}]"))?;
     // The proxy's own queries reach the real server.
     let r = query(&env, &pod, PROXY_UID, &real, false)?;
-    ensure!(r["from"] == real, "{r}");
-    ensure!(
-        r["reply"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with(&format!("reply to {}:", pod.ipv4)),
-        "proxy query was captured: {r}"
-    );
+    answered(&r, &real, "upstream", &pod4)?;
     // TCP to port 53 goes to the TCP listener, which sees the original server.
     pod.run(&env, APP_UID, &[probe(), "connect", &real])?;
     std::thread::sleep(Duration::from_millis(200));
@@ -107,12 +145,6 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     // Without DNS capture, queries go straight to the server.
     loaded.enroll(&pod, &[])?;
     let r = query(&env, &pod, APP_UID, &real, false)?;
-    ensure!(
-        r["reply"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with(&format!("reply to {}:", pod.ipv4)),
-        "captured with DNS capture off: {r}"
-    );
+    answered(&r, &real, "upstream", &pod4)?;
     Ok(())
 }

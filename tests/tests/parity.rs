@@ -272,7 +272,7 @@ fn parity_with_istio_iptables() -> Result<()> {
 
     // The table: one sidestep column per inbound hook, each judged against the oracle.
     let mut rows = Vec::new();
-    let mut counts = [[0usize; 4]; HOOKS.len()];
+    let mut counts = [[0usize; 5]; HOOKS.len()];
     let mut failures = Vec::new();
     for (i, sc) in all.iter().enumerate() {
         let mut row = vec![
@@ -287,6 +287,7 @@ fn parity_with_istio_iptables() -> Result<()> {
             statuses.push(match verdict {
                 Verdict::Match => "match".to_owned(),
                 Verdict::MatchG => "match (G)".to_owned(),
+                Verdict::MatchP => "match (P)".to_owned(),
                 Verdict::Intended(why) => format!("intended: {}", why.reason()),
                 Verdict::Mismatch => format!(
                     "MISMATCH {} (want {})",
@@ -299,6 +300,7 @@ fn parity_with_istio_iptables() -> Result<()> {
                 Verdict::MatchG => 1,
                 Verdict::Intended(_) => 2,
                 Verdict::Mismatch => 3,
+                Verdict::MatchP => 4,
             }] += 1;
             if verdict == Verdict::Mismatch && !failures.contains(&(i + 1)) {
                 failures.push(i + 1);
@@ -317,7 +319,8 @@ fn parity_with_istio_iptables() -> Result<()> {
     let mut text = String::from(
         "\nDifferential parity: Istio iptables (oracle) vs sidestep, inbound hook tc and sk_lookup\n\
          sn = getsockname at the accepting listener, od4/od6 = SO_ORIGINAL_DST at SOL_IP/SOL_IPV6, \
-         pn = getpeername at the app; `=`: as with tc\n",
+         pn = getpeername at the app, src = the connection's source (getsockname at the app, \
+         getpeername at the listener); `=`: as with tc\n",
     );
     text.push_str(&render_table(
         &[
@@ -333,11 +336,12 @@ fn parity_with_istio_iptables() -> Result<()> {
     ));
     for (h, c) in counts.iter().enumerate() {
         text.push_str(&format!(
-            "{}: {} scenarios: {} match, {} match (G), {} intended, {} mismatch\n",
+            "{}: {} scenarios: {} match, {} match (G), {} match (P), {} intended, {} mismatch\n",
             HOOKS[h],
             all.len(),
             c[0],
             c[1],
+            c[4],
             c[2],
             c[3],
         ));

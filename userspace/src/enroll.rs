@@ -18,8 +18,8 @@ use std::{collections::HashSet, net::IpAddr, path::Path};
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
 use sidestep_abi::{
-    CidrKey, InterfaceKey, PortKey, RerouteIfKey, cidr_list, flags, iface_kind, map_names,
-    route_via,
+    CidrKey, InterfaceKey, PodSource, PortKey, RerouteIfKey, cidr_list, flags, iface_kind,
+    map_names, route_via,
 };
 pub use unenroll::{
     Recorded, unenroll, unenroll_attachment, unenroll_by_cookie, unenroll_cookie, unenroll_recorded,
@@ -97,6 +97,14 @@ pub fn enroll_netns(
     entries
         .addresses
         .extend(netns_keys.addresses.iter().map(address_words));
+    // A policy without a pod IP of a family (a hand enrolment, an ambient pod) takes the
+    // netns's own.
+    entries.source = crate::policy::pod_source(
+        policy
+            .pod_ips
+            .iter()
+            .chain(facts.addresses.iter().map(|(_, ip)| ip)),
+    );
     // Before the pod entry: the proxy may bind to ::6 as soon as its pod is captured.
     passthrough::add_ipv6(netns)?;
     // The return route (TPROXY, ambient) goes in before the pod entry that starts marking
@@ -415,6 +423,20 @@ pub fn write_entries(
                 other => other,
             })?;
         }
+        // A later attachment's ADD (another interface's IPs) keeps the first one's source.
+        let has_source = previous.is_some() && maps.sources.get(&netns_cookie, 0).is_ok();
+        if !has_source && entries.source != PodSource::default() {
+            maps.sources
+                .insert(netns_cookie, entries.source, 0)
+                // It holds as many pods as the pod map, so full means the pod map is.
+                .map_err(|e| match classify(map_names::SOURCE_ADDRESSES, 0, e) {
+                    MapsError::Full { .. } => MapsError::Full {
+                        map: map_names::POD_POLICY,
+                        capacity: maps.pod_capacity,
+                    },
+                    other => other,
+                })?;
+        }
         crate::sys::failpoint("enroll:before-pod-entry");
         maps.pods
             .insert(netns_cookie, entries.pod, 0)
@@ -429,6 +451,7 @@ pub fn write_entries(
         }
         if previous.is_none() {
             let _ = maps.counters.remove(&netns_cookie);
+            let _ = maps.sources.remove(&netns_cookie);
             let _ = remove_addresses(maps, netns_cookie, &[]);
         }
         return Err(e);

@@ -102,6 +102,13 @@ pub const POD_PROGRAMS: [&str; 4] = [
 /// Programs attached to a map rather than a hook.
 pub const MAP_PROGRAMS: [&str; 1] = [program_names::SK_MSG];
 
+/// Maps with one entry per pod, sized by `--pod-capacity` when they are created.
+const POD_SIZED_MAPS: [&str; 3] = [
+    map_names::POD_POLICY,
+    map_names::COUNTERS,
+    map_names::SOURCE_ADDRESSES,
+];
+
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub cgroup: PathBuf,
@@ -229,8 +236,9 @@ fn load_inner(
         loader.map_pin_path(name, path.as_path());
     }
     if let Some(cap) = opts.pod_capacity {
-        loader.map_max_entries(map_names::POD_POLICY, cap);
-        loader.map_max_entries(map_names::COUNTERS, cap);
+        for name in POD_SIZED_MAPS {
+            loader.map_max_entries(name, cap);
+        }
     }
     let object = opts.object.as_deref().unwrap_or(BPF_OBJECT);
     // aya reuses a pinned map as it is; one whose layout changed would only surface as a
@@ -458,7 +466,7 @@ fn check_pinned_maps(
                 def.map_flags()
             ));
         }
-        let sized_by_option = [map_names::POD_POLICY, map_names::COUNTERS].contains(&name.as_str());
+        let sized_by_option = POD_SIZED_MAPS.contains(&name.as_str());
         let want_entries = match pod_capacity {
             Some(cap) if sized_by_option => cap,
             _ => def.max_entries(),

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues, lpm_trie::LpmTrie};
 use sidestep_abi::{
-    CidrKey, Counters, OrigDst, PodPolicy, PortKey, RerouteIf, RerouteIfKey, TupleKey, map_names,
-    program_names,
+    CidrKey, Counters, OrigDst, PodPolicy, PodSource, PortKey, RerouteIf, RerouteIfKey, TupleKey,
+    map_names, program_names,
 };
 
 use crate::{error::MapsError, pins::PinLayout};
@@ -18,6 +18,7 @@ pub type CounterMap = PerCpuHashMap<MapData, u64, Counters>;
 pub type AddressMap = HashMap<MapData, [u32; 4], u64>;
 pub type InterfaceMap = HashMap<MapData, sidestep_abi::InterfaceKey, u8>;
 pub type RerouteIfMap = HashMap<MapData, RerouteIfKey, RerouteIf>;
+pub type SourceMap = HashMap<MapData, u64, PodSource>;
 /// LRU hash; aya's HashMap handle reads and deletes it like a plain hash.
 pub type RerouteNatMap = HashMap<MapData, TupleKey, OrigDst>;
 
@@ -30,6 +31,7 @@ pub struct PolicyMaps {
     pub interfaces: InterfaceMap,
     pub reroute_ifaces: RerouteIfMap,
     pub reroute_nat: RerouteNatMap,
+    pub sources: SourceMap,
     pub pod_capacity: u32,
     /// The maps above as the kernel described them when they were opened (see [`MapIdentity`]).
     opened: Vec<Opened>,
@@ -146,6 +148,7 @@ impl PolicyMaps {
             interfaces: typed(&layout, map_names::INTERFACES, &mut ids)?,
             reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES, &mut ids)?,
             reroute_nat: typed(&layout, map_names::REROUTE_NAT, &mut ids)?,
+            sources: typed(&layout, map_names::SOURCE_ADDRESSES, &mut ids)?,
             pod_capacity,
             opened: ids,
             layout,
@@ -177,6 +180,18 @@ impl PolicyMaps {
     /// the unenrolment of a pod with re-routed interfaces sweeps it.
     pub fn pending(&self) -> Result<RerouteNatMap, MapsError> {
         typed(&self.layout, map_names::PENDING_ORIG_DST, &mut Vec::new())
+    }
+
+    /// The source addresses of a pod's captured connections (`SIDESTEP_SRC`), IPv4 first.
+    pub fn source_addresses(&self, netns_cookie: u64) -> Vec<std::net::IpAddr> {
+        let Ok(source) = self.sources.get(&netns_cookie, 0) else {
+            return Vec::new();
+        };
+        [source.addr4, source.addr6]
+            .iter()
+            .filter(|w| **w != [0; 4])
+            .map(crate::policy::words_address)
+            .collect()
     }
 
     /// Every enrolled netns cookie with its policy.

@@ -10,8 +10,8 @@ use std::{
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use sidestep_abi::{
-    CIDR_KEY_FIXED_BITS, CidrKey, PodPolicy, PortKey, ambient, cidr_list, defaults, flags,
-    port_list,
+    CIDR_KEY_FIXED_BITS, CidrKey, PodPolicy, PodSource, PortKey, ambient, cidr_list, defaults,
+    flags, port_list,
 };
 
 use crate::error::PolicyError;
@@ -346,6 +346,41 @@ pub struct MapEntries {
     pub cidrs: Vec<(u32, CidrKey)>,
     /// The pod's addresses as IPv6 words in network byte order (IPv4 mapped), for tc ingress.
     pub addresses: Vec<[u32; 4]>,
+    /// The source a captured app socket is bound to (`SIDESTEP_SRC`).
+    pub source: PodSource,
+}
+
+/// The first address of each family in `candidates` that can be a pod's source for any
+/// destination: not loopback, unspecified, link-local or multicast. All-zero words for a family
+/// with none.
+pub fn pod_source<'a>(candidates: impl IntoIterator<Item = &'a IpAddr>) -> PodSource {
+    let mut source = PodSource::default();
+    for ip in candidates {
+        let usable = match ip {
+            IpAddr::V4(v4) => {
+                !(v4.is_loopback()
+                    || v4.is_unspecified()
+                    || v4.is_link_local()
+                    || v4.is_multicast())
+            }
+            IpAddr::V6(v6) => {
+                !(v6.is_loopback()
+                    || v6.is_unspecified()
+                    || v6.is_unicast_link_local()
+                    || v6.is_multicast()
+                    || v6.to_ipv4_mapped().is_some())
+            }
+        };
+        let slot = if ip.is_ipv4() {
+            &mut source.addr4
+        } else {
+            &mut source.addr6
+        };
+        if usable && *slot == [0; 4] {
+            *slot = address_words(ip);
+        }
+    }
+    source
 }
 
 /// The address an entry of `SIDESTEP_ADDRS` names ([`address_words`] reversed).
@@ -641,6 +676,7 @@ impl Policy {
             ports,
             cidrs,
             addresses: self.pod_ips.iter().map(address_words).collect(),
+            source: pod_source(&self.pod_ips),
         }
     }
 }

@@ -99,6 +99,8 @@ pub struct PodStatus {
     pub inbound_ifindexes: Vec<u32>,
     /// Re-routed virtual interfaces with their two links.
     pub rerouted: Vec<String>,
+    /// The addresses captured connections leave from (`SIDESTEP_SRC`); empty: loopback.
+    pub source_addresses: Vec<std::net::IpAddr>,
     pub policy: PolicySummary,
     pub counters: CounterSummary,
 }
@@ -289,6 +291,7 @@ pub fn collect(pin_root: &Path) -> Status {
                     interfaces: crate::tc::attached_interfaces(&layout, cookie),
                     inbound_ifindexes: maps.inbound_ifindexes(cookie),
                     rerouted: rerouted_interfaces(&layout, cookie),
+                    source_addresses: maps.source_addresses(cookie),
                     policy: summarize_policy(&policy),
                     counters: maps.counters(cookie).into(),
                 })
@@ -397,9 +400,18 @@ impl Status {
             } else {
                 format!("proxy uid {} gid {}", p.proxy_uid, p.proxy_gid)
             };
+            let source = if pod.source_addresses.is_empty() {
+                "loopback".to_owned()
+            } else {
+                pod.source_addresses
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
             let _ = writeln!(
                 out,
-                "  netns {:<8} {inbound}{rerouted}  {proxy}  ports out {} in {} dns {}  [{}]",
+                "  netns {:<8} {inbound}{rerouted}  {proxy}  ports out {} in {} dns {}  source {source}  [{}]",
                 pod.netns_cookie,
                 p.outbound_port,
                 p.inbound_port,

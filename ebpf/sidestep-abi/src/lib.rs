@@ -28,8 +28,11 @@ pub mod map_names {
     /// aya-log's ring buffer (its name is aya-log's). Pinned so that an upgrade keeps the one the
     /// agent reads.
     pub const LOGS: &str = "AYA_LOGS";
-    pub const ALL: [&str; 16] = [
+    /// Each pod's source addresses for a captured app's socket (`PodSource`).
+    pub const SOURCE_ADDRESSES: &str = "SIDESTEP_SRC";
+    pub const ALL: [&str; 17] = [
         LOGS,
+        SOURCE_ADDRESSES,
         SK_MSG_TCP_ONLY,
         POD_IDENTITY,
         REROUTE_IFACES,
@@ -466,6 +469,19 @@ pub struct RerouteIf {
     pub _reserved: u32,
 }
 
+/// Value of `SIDESTEP_SRC`, keyed by netns cookie: the address connect4/6 bind a captured app
+/// socket to before sending it to the proxy on loopback, so that the app's `getsockname` and the
+/// proxy's `getpeername` show the pod's address, as under REDIRECT (which leaves the source the
+/// route chose for the original destination). All-zero words: none of that family (the socket
+/// then keeps the loopback source the kernel picks).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodSource {
+    /// IPv4-mapped.
+    pub addr4: [u32; 4],
+    pub addr6: [u32; 4],
+}
+
 /// Per-pod, per-CPU counters, keyed by netns cookie.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -550,6 +566,8 @@ mod user {
     unsafe impl aya::Pod for RerouteIfKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for RerouteIf {}
+    // SAFETY: repr(C), two arrays of u32, no padding.
+    unsafe impl aya::Pod for PodSource {}
 }
 
 #[cfg(test)]

@@ -1,14 +1,16 @@
 //! cgroup/connect4 and cgroup/connect6: outbound capture.
 //!
 //! A captured connect is rewritten to the proxy's port on loopback, and the original destination
-//! is kept in the socket's local storage for sockops, getpeername and SO_ORIGINAL_DST.
+//! is kept in the socket's local storage for sockops, getpeername and SO_ORIGINAL_DST. An unbound
+//! socket is first bound to the pod's address, so the connection runs from the pod's address to
+//! the loopback listener, as REDIRECT's does.
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::bpf_sock,
+    bindings::{bpf_sock, sockaddr},
     helpers::{
         bpf_get_current_uid_gid,
-        generated::{bpf_get_netns_cookie, bpf_setsockopt, bpf_skc_to_mptcp_sock},
+        generated::{bpf_bind, bpf_get_netns_cookie, bpf_setsockopt, bpf_skc_to_mptcp_sock},
     },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
@@ -172,6 +174,8 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         policy::count(netns_cookie, |c| c.passed_outbound += 1);
         return true;
     }
+    // SAFETY: this context's socket, unconnected, as bpf_bind requires.
+    unsafe { bind_pod_source(ctx, netns_cookie, &dst, &bound_src, ipv6) };
     // SAFETY: writable fields of a connect program's context, written one word at a time.
     unsafe {
         if !ipv6 {
@@ -189,6 +193,79 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         policy::count(netns_cookie, |c| c.redirected_outbound += 1);
     }
     true
+}
+
+/// `struct sockaddr_in`.
+#[repr(C)]
+struct SockaddrIn {
+    family: u16,
+    port_be: u16,
+    addr_be: u32,
+    zero: [u8; 8],
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+struct SockaddrIn6 {
+    family: u16,
+    port_be: u16,
+    flowinfo: u32,
+    addr: [u32; 4],
+    scope_id: u32,
+}
+
+/// Binds a captured socket that has no local address yet to the source REDIRECT would leave it
+/// ([`policy::redirect_source`]). The app's `getsockname` and the proxy's `getpeername` then show
+/// the pod's address rather than loopback, and a socket that connects again elsewhere (UDP keeps
+/// its first source) does not try to leave the pod from 127.0.0.1. Port 0 leaves the port to
+/// connect (IP_BIND_ADDRESS_NO_PORT). A failure (the address is gone, the socket holds a port
+/// already) keeps the loopback source: capture does not depend on it.
+///
+/// # Safety
+/// `ctx` must be the live context of a connect4 or connect6 program.
+#[inline(always)]
+unsafe fn bind_pod_source(
+    ctx: &SockAddrContext,
+    netns_cookie: u64,
+    dst: &[u32; 4],
+    bound_src: &[u32; 4],
+    ipv6: bool,
+) {
+    if !policy::is_unspecified(bound_src) {
+        return;
+    }
+    let Some(src) = policy::redirect_source(netns_cookie, dst) else {
+        return;
+    };
+    // SAFETY: bpf_bind copies `addr_len` bytes of the initialised sockaddr on our stack.
+    unsafe {
+        if ipv6 {
+            let mut sa = SockaddrIn6 {
+                family: linux::AF_INET6,
+                port_be: 0,
+                flowinfo: 0,
+                addr: src,
+                scope_id: 0,
+            };
+            let _ = bpf_bind(
+                ctx.sock_addr,
+                (&raw mut sa).cast::<sockaddr>(),
+                core::mem::size_of::<SockaddrIn6>() as i32,
+            );
+        } else {
+            let mut sa = SockaddrIn {
+                family: linux::AF_INET,
+                port_be: 0,
+                addr_be: src[3],
+                zero: [0; 8],
+            };
+            let _ = bpf_bind(
+                ctx.sock_addr,
+                (&raw mut sa).cast::<sockaddr>(),
+                core::mem::size_of::<SockaddrIn>() as i32,
+            );
+        }
+    }
 }
 
 /// The app's MPTCP socket when `sk` is the first subflow of one, which the kernel connects on

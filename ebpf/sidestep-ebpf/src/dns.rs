@@ -1,9 +1,10 @@
 //! cgroup/sendmsg4/6 and recvmsg4/6: DNS capture for unconnected UDP.
 //!
-//! A datagram to port 53 from a non-proxy identity goes to the DNS listener on loopback; the
-//! server it was meant for is kept on the socket, and replies from the listener are reported as
-//! coming from that server, as conntrack's reverse NAT would. A socket that queries several
-//! servers in turn gets each reply attributed to the server of its latest query.
+//! A datagram to port 53 from a non-proxy identity goes to the DNS listener on loopback, from the
+//! pod's address as under REDIRECT; the server it was meant for is kept on the socket, and
+//! replies from the listener are reported as coming from that server, as conntrack's reverse NAT
+//! would. A socket that queries several servers in turn gets each reply attributed to the server
+//! of its latest query.
 
 use aya_ebpf::{
     EbpfContext,
@@ -126,8 +127,21 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
     }
     // SAFETY: non-null storage of this socket.
     unsafe { *stored = orig };
+    // The datagram leaves from the pod's address, as REDIRECT leaves its source, unless the
+    // socket is bound to an address (which the kernel then uses). A dual-stack socket's datagram
+    // to an IPv4-mapped server keeps the source the kernel picks.
+    let src = if policy::is_unspecified(&bound_src) && (!ipv6 || !v4) {
+        policy::redirect_source(netns_cookie, &dst)
+    } else {
+        None
+    };
     // SAFETY: writable context fields, one word at a time.
     unsafe {
+        match src {
+            Some(src) if ipv6 => store_ip6(&raw mut (*sa).msg_src_ip6, src),
+            Some(src) => store(&raw mut (*sa).msg_src_ip4, src[3]),
+            None => {}
+        }
         if !ipv6 {
             store(&raw mut (*sa).user_ip4, LOOPBACK4_BE);
         } else if v4 {

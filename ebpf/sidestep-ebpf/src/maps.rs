@@ -5,8 +5,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use sidestep_abi::{
-    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PortKey, RerouteIf,
-    RerouteIfKey, TupleKey, capacity,
+    CidrKey, Counters, InterfaceKey, ListenerKey, OrigDst, PodPolicy, PodSource, PortKey,
+    RerouteIf, RerouteIfKey, TupleKey, capacity,
 };
 
 /// Enrolment: a netns with no entry here is never touched.
@@ -18,6 +18,12 @@ pub static SIDESTEP_POD: HashMap<u64, PodPolicy, { capacity::PODS as usize }> = 
 #[btf_map]
 pub static SIDESTEP_ADDRS: HashMap<[u32; 4], u64, { capacity::ADDRESSES as usize }> =
     HashMap::new();
+
+/// Netns cookie -> the address a captured app socket is bound to before it goes to the proxy on
+/// loopback (see connect.rs). No entry: a pod enrolled by an older version; its sockets keep the
+/// loopback source.
+#[btf_map]
+pub static SIDESTEP_SRC: HashMap<u64, PodSource, { capacity::PODS as usize }> = HashMap::new();
 
 #[btf_map]
 pub static SIDESTEP_PORTS: HashMap<PortKey, u8, { capacity::PORT_RULES as usize }> = HashMap::new();

@@ -7,7 +7,8 @@ use sidestep_abi::{
 };
 
 use crate::maps::{
-    SIDESTEP_ADDRS, SIDESTEP_CIDRS, SIDESTEP_IFACES, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_STATS,
+    SIDESTEP_ADDRS, SIDESTEP_CIDRS, SIDESTEP_IFACES, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_SRC,
+    SIDESTEP_STATS,
 };
 
 /// `127.0.0.1` in network byte order.
@@ -121,6 +122,45 @@ pub fn is_unspecified(addr: &[u32; 4]) -> bool {
     } else {
         (addr[0] | addr[1] | addr[2] | addr[3]) == 0
     }
+}
+
+/// The source REDIRECT leaves a captured connection, the one the route of the original
+/// destination `dst` gives; None to keep the loopback source the kernel picks for the proxy's
+/// address:
+/// - a loopback or unspecified destination: loopback, as its own route gives;
+/// - one of the pod's own IPv6 addresses (or ::6): the destination itself (RFC 6724, rule 1);
+/// - an IPv6 link-local destination: None (its source would need the scope, which a sock_addr
+///   program cannot see);
+/// - anything else: the pod's address of the family (`SIDESTEP_SRC`, the pod's primary), which
+///   for IPv4 is also the source of the local route of one of the pod's addresses on its
+///   network. A destination routed through a second interface gets it too, where REDIRECT
+///   leaves that interface's address.
+#[inline(always)]
+pub fn redirect_source(netns_cookie: u64, dst: &[u32; 4]) -> Option<[u32; 4]> {
+    if is_loopback(dst) || is_unspecified(dst) {
+        return None;
+    }
+    let v4 = is_v4_mapped(dst);
+    if !v4 && (is_pod_address(netns_cookie, dst) || is_passthrough_source(dst)) {
+        return Some(*dst);
+    }
+    if !v4 && is_link_local6(dst) {
+        return None;
+    }
+    // SAFETY: the value is copied out at once.
+    let pod = unsafe { SIDESTEP_SRC.get(netns_cookie) }?;
+    let src = if v4 { pod.addr4 } else { pod.addr6 };
+    if is_unspecified(&src) {
+        None
+    } else {
+        Some(src)
+    }
+}
+
+/// fe80::/10.
+#[inline(always)]
+pub fn is_link_local6(addr: &[u32; 4]) -> bool {
+    addr[0].to_ne_bytes()[0] == 0xfe && addr[0].to_ne_bytes()[1] & 0xc0 == 0x80
 }
 
 /// 127.0.0.1 or ::1, or the unspecified address that becomes them.

@@ -7,8 +7,10 @@
 //!     connect (from a socket bound to --bind and to --device with SO_BINDTODEVICE first, if
 //!     given; within N ms, default 5000) and print {"peer","local","status"}, or
 //!     {"error","errno"} when the connect fails
-//! probe udp-serve ADDR               answer every datagram with "reply to <sender>"
-//! probe udp-query ADDR [--connect]   send one datagram, print {"from","reply"}
+//! probe udp-serve ADDR [--name N]    answer every datagram with "[N: ]reply to <sender>"
+//! probe udp-query ADDR [--connect] [--unbound] [--first ADDR]
+//!     send one datagram (from a socket never bound, with --unbound; connected to --first
+//!     before), print {"from","reply","local"} or {"error","stage"}
 //! probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only]
 //!     listen on every ADDR (IPv6 ones with IPV6_V6ONLY under --v6only) and accept forever; per
 //!     connection append {"listener","peer","local","orig_v4","orig_v6"} to REPORT (`-` for
@@ -58,7 +60,7 @@ mod ztunnel;
 use std::{net::SocketAddr, time::Duration};
 
 use bypass::{SockOptions, connect_many, connect_sock, hold, origdst_echo, raw, tfo};
-use redirect::{connect, proxy, udp_query, udp_serve};
+use redirect::{UdpQuery, connect, proxy, udp_query, udp_serve};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -92,8 +94,15 @@ fn main() {
                 Duration::from_millis(timeout),
             )
         }
-        Some("udp-serve") => udp_serve(addr(1)),
-        Some("udp-query") => udp_query(addr(1), flag("--connect")),
+        Some("udp-serve") => udp_serve(addr(1), option("--name")),
+        Some("udp-query") => udp_query(
+            addr(1),
+            &UdpQuery {
+                connect: flag("--connect"),
+                unbound: flag("--unbound"),
+                first: option("--first").map(parse),
+            },
+        ),
         Some("proxy") => {
             let addrs: Vec<SocketAddr> = args
                 .get(1)
@@ -245,7 +254,8 @@ fn main() {
         _ => {
             eprintln!(
                 "usage: probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N] | \
-                 probe udp-serve ADDR | probe udp-query ADDR [--connect] | \
+                 probe udp-serve ADDR [--name N] | \
+                 probe udp-query ADDR [--connect] [--unbound] [--first ADDR] | \
                  probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only] [--accept-after-ms N] | \
                  probe tfo ADDR [--data TEXT] | \
                  probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] \

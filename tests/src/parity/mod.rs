@@ -37,6 +37,9 @@ pub struct Outcome {
     pub orig_v6: String,
     /// getpeername of the app's socket, or `ERR <errno name>` when its connect failed.
     pub app_peer: String,
+    /// The connection's source address: the app's getsockname, which the accepted socket's
+    /// getpeername must equal (port included; it is elided then). `-` when nothing accepted.
+    pub source: String,
 }
 
 impl Outcome {
@@ -48,6 +51,7 @@ impl Outcome {
             orig_v4: "-".into(),
             orig_v6: "-".into(),
             app_peer: format!("ERR {}", errno_name(errno)),
+            source: "-".into(),
         }
     }
 }
@@ -59,8 +63,8 @@ impl fmt::Display for Outcome {
         }
         write!(
             f,
-            "{} sn={} od4={} od6={} pn={}",
-            self.accepted, self.local, self.orig_v4, self.orig_v6, self.app_peer
+            "{} sn={} od4={} od6={} pn={} src={}",
+            self.accepted, self.local, self.orig_v4, self.orig_v6, self.app_peer, self.source
         )
     }
 }
@@ -347,7 +351,40 @@ pub fn outcome(names: &Names, client: &Value, accepted: &[Accepted]) -> Result<O
         orig_v4: names.orig(&one.line["orig_v4"]),
         orig_v6: names.orig(&one.line["orig_v6"]),
         app_peer: names.text(peer),
+        source: source(names, client, &one.line),
     })
+}
+
+/// The source address both ends agree on, by name, or both ends' addresses when they do not.
+fn source(names: &Names, client: &Value, accepted: &Value) -> String {
+    // An IPv4-mapped address and its IPv4 form are one source (a dual-stack socket and an IPv4
+    // listener each print their own).
+    let parse = |v: &Value| {
+        v.as_str()
+            .and_then(|s| s.parse::<SocketAddr>().ok())
+            .map(|a| match a {
+                SocketAddr::V6(a6) if a6.ip().to_ipv4_mapped().is_some() => SocketAddr::new(
+                    IpAddr::V4(
+                        a6.ip()
+                            .to_ipv4_mapped()
+                            .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED),
+                    ),
+                    a.port(),
+                ),
+                a => a,
+            })
+    };
+    match (parse(&client["local"]), parse(&accepted["peer"])) {
+        // Each end prints a link-local address with its own netns's interface as the scope.
+        (Some(app), Some(seen)) if app.ip() == seen.ip() && app.port() == seen.port() => {
+            names.ip(app.ip())
+        }
+        (app, seen) => format!(
+            "{}!={}",
+            app.map_or("?".into(), |a| names.addr(a)),
+            seen.map_or("?".into(), |a| names.addr(a))
+        ),
+    }
 }
 
 /// Istio's iptables ruleset in a pod's netns: applied as istio-cni does (`iptables-restore

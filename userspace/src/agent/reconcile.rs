@@ -135,18 +135,19 @@ pub struct Recreated {
     /// The proxies' listeners (`SIDESTEP_LSTN`): pods on the sk_lookup hook lost theirs.
     pub listeners: bool,
     /// Another map with per-pod entries (port and CIDR rules, addresses, interfaces, counters,
-    /// re-routed interfaces): pods still in the pod map lost part of their policy.
+    /// re-routed interfaces, source addresses): pods still in the pod map lost part of their policy.
     pub entries: bool,
 }
 
 /// Maps that hold per-pod entries besides the pod map.
-const ENTRY_MAPS: [&str; 6] = [
+const ENTRY_MAPS: [&str; 7] = [
     map_names::PORT_RULES,
     map_names::CIDR_RULES,
     map_names::COUNTERS,
     map_names::POD_ADDRESSES,
     map_names::INTERFACES,
     map_names::REROUTE_IFACES,
+    map_names::SOURCE_ADDRESSES,
 ];
 
 impl Recreated {

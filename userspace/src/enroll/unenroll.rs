@@ -184,8 +184,8 @@ pub(super) fn cidr_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(u32, CidrK
         .collect()
 }
 
-/// Deletes the pod's port and CIDR rules (scanned or recorded, as the caller found them) and its
-/// counters.
+/// Deletes the pod's port and CIDR rules (scanned or recorded, as the caller found them), its
+/// counters and its source addresses.
 fn remove_rules(
     maps: &mut PolicyMaps,
     netns_cookie: u64,
@@ -205,6 +205,10 @@ fn remove_rules(
     first.note(deleted(
         map_names::COUNTERS,
         maps.counters.remove(&netns_cookie),
+    ));
+    first.note(deleted(
+        map_names::SOURCE_ADDRESSES,
+        maps.sources.remove(&netns_cookie),
     ));
 }
 

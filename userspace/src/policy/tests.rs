@@ -135,6 +135,40 @@ fn pod_ips_become_address_entries() {
     assert_ne!(e.pod.flags & flags::OUTBOUND_ALL_RANGES, 0);
 }
 
+/// The source a captured socket is bound to: the first usable address of each family, skipping
+/// what no route of the pod could give as a source for a foreign destination.
+#[test]
+fn pod_source_takes_the_first_usable_address_of_each_family() {
+    let ips: Vec<IpAddr> = [
+        "fe80::1",
+        "127.0.0.5",
+        "169.254.1.1",
+        "::ffff:10.0.0.9",
+        "10.1.2.3",
+        "fd00::7",
+        "10.9.9.9",
+        "fd00::8",
+    ]
+    .iter()
+    .map(|s| s.parse().unwrap())
+    .collect();
+    let s = pod_source(&ips);
+    assert_eq!(s.addr4, address_words(&"10.1.2.3".parse().unwrap()));
+    assert_eq!(s.addr6, address_words(&"fd00::7".parse().unwrap()));
+    // A family without one stays all-zero: connect then keeps the loopback source.
+    let only4 = pod_source(&["10.1.2.3".parse().unwrap()]);
+    assert_eq!(only4.addr6, [0; 4]);
+    assert_eq!(pod_source(&[]), sidestep_abi::PodSource::default());
+    // The policy's pod IPs come first.
+    let p = Policy {
+        pod_ips: vec!["fd00::9".parse().unwrap(), "10.4.4.4".parse().unwrap()],
+        ..Policy::default()
+    };
+    let e = p.to_map_entries(3);
+    assert_eq!(e.source.addr4, address_words(&"10.4.4.4".parse().unwrap()));
+    assert_eq!(e.source.addr6, address_words(&"fd00::9".parse().unwrap()));
+}
+
 /// DEL deletes the keys a record's policy makes (enroll::unenroll_recorded), so a policy read
 /// back from its record must make exactly the keys the enrolment wrote.
 #[test]

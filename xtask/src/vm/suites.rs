@@ -28,6 +28,8 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     // interfaces (tc DNAT, VLAN tag pops): kernel behaviour the capture relies on.
     ("bypass", &[]),
     ("reroute", &[]),
+    // DNS capture: sendmsg's source address and connect's bind of a never-bound UDP socket.
+    ("dns", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.

@@ -131,49 +131,90 @@ pub(super) fn proxy(
     0
 }
 
-pub(super) fn udp_serve(addr: SocketAddr) -> i32 {
+/// Answers every datagram with "reply to <sender>", or "<name>: reply to <sender>", so that a
+/// test tells which server answered when both see the same sender.
+pub(super) fn udp_serve(addr: SocketAddr, name: Option<&str>) -> i32 {
     let Ok(sock) = std::net::UdpSocket::bind(addr) else {
         eprintln!("probe: bind {addr}");
         return 1;
     };
+    let prefix = name.map(|n| format!("{n}: ")).unwrap_or_default();
     let mut buf = [0u8; 512];
     while let Ok((_, from)) = sock.recv_from(&mut buf) {
-        let _ = sock.send_to(format!("reply to {from}").as_bytes(), from);
+        let _ = sock.send_to(format!("{prefix}reply to {from}").as_bytes(), from);
     }
     0
 }
 
-pub(super) fn udp_query(addr: SocketAddr, connect: bool) -> i32 {
-    let bind: SocketAddr = if addr.is_ipv4() {
-        "0.0.0.0:0"
+/// How `udp-query` prepares and addresses its socket.
+pub(super) struct UdpQuery {
+    /// connect(2) and send(2), rather than sendto(2).
+    pub connect: bool,
+    /// No bind(2) before: the kernel (or a connect program) picks the address and port, as a
+    /// C or Go client's socket has it. Rust's UdpSocket always binds a port first.
+    pub unbound: bool,
+    /// Connect to this address first, then to the real one (a resolver moving on to another
+    /// server on the same socket).
+    pub first: Option<SocketAddr>,
+}
+
+/// Sends one datagram to `addr` and prints {"from","reply","local"} (`local`: getsockname once
+/// sent), or {"error","stage"}.
+pub(super) fn udp_query(addr: SocketAddr, q: &UdpQuery) -> i32 {
+    let fail = |stage: &str, e: &dyn std::fmt::Display| {
+        println!("{{\"error\":\"{e}\",\"stage\":\"{stage}\"}}");
+        1
+    };
+    let sock = if q.unbound {
+        let family = if addr.is_ipv4() {
+            nix::sys::socket::AddressFamily::Inet
+        } else {
+            nix::sys::socket::AddressFamily::Inet6
+        };
+        match nix::sys::socket::socket(
+            family,
+            nix::sys::socket::SockType::Datagram,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        ) {
+            Ok(fd) => std::net::UdpSocket::from(fd),
+            Err(e) => return fail("socket", &e),
+        }
     } else {
-        "[::]:0"
-    }
-    .parse()
-    .expect("literal");
-    let Ok(sock) = std::net::UdpSocket::bind(bind) else {
-        return 1;
+        let bind: SocketAddr = if addr.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        }
+        .parse()
+        .expect("literal");
+        match std::net::UdpSocket::bind(bind) {
+            Ok(s) => s,
+            Err(e) => return fail("bind", &e),
+        }
     };
     let _ = sock.set_read_timeout(Some(Duration::from_secs(3)));
-    let sent = if connect {
+    if let Some(first) = q.first
+        && let Err(e) = sock.connect(first)
+    {
+        return fail("first connect", &e);
+    }
+    let sent = if q.connect {
         sock.connect(addr).and_then(|()| sock.send(b"query"))
     } else {
         sock.send_to(b"query", addr)
     };
     if let Err(e) = sent {
-        println!("{{\"error\":\"{e}\"}}");
-        return 1;
+        return fail("send", &e);
     }
+    let local = sock.local_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut buf = [0u8; 512];
     match sock.recv_from(&mut buf) {
         Ok((n, from)) => {
             let reply = String::from_utf8_lossy(&buf[..n]);
-            println!("{{\"from\":\"{from}\",\"reply\":\"{reply}\"}}");
+            println!("{{\"from\":\"{from}\",\"reply\":\"{reply}\",\"local\":\"{local}\"}}");
             0
         }
-        Err(e) => {
-            println!("{{\"error\":\"{e}\"}}");
-            1
-        }
+        Err(e) => fail("receive", &e),
     }
 }
