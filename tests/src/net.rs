@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::env::TestEnv;
 use crate::pod::Pod;
-use crate::process::ChildGuard;
+use crate::process::{ChildGuard, Spawn};
 use crate::util::tail;
 
 /// Connects to `addr` from a thread inside `pod`'s netns until it succeeds or `timeout`
@@ -143,6 +143,16 @@ pub fn wait_listening(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Starts in `pod` the UDP DNS listener a proxy runs (UID and GID 1337) on `addr`: `probe
+/// udp-serve` with its replies named `dns-proxy`, so that a test tells them from a real
+/// server's when both see the same sender.
+pub fn spawn_dns_listener(env: &TestEnv, pod: &Pod, probe: &str, addr: &str) -> Result<ChildGuard> {
+    pod.spawn(
+        env,
+        Spawn::new(&[probe, "udp-serve", addr, "--name", "dns-proxy"]).user(1337, 1337),
+    )
 }
 
 #[cfg(test)]

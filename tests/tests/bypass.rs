@@ -16,7 +16,7 @@ use std::{net::IpAddr, time::Duration};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
-use sidestep_tests::{Spawn, netns, skip_unless_root};
+use sidestep_tests::{Spawn, net::spawn_dns_listener, netns, skip_unless_root};
 
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
@@ -125,19 +125,12 @@ fn udp_goes_direct_and_dns_is_captured() -> Result<()> {
         );
     }
     // The DNS listener the proxy would run (only used with DNS capture on).
-    servers.push(
-        f.client.spawn(
-            &f.env,
-            Spawn::new(&[
-                probe(),
-                "udp-serve",
-                "127.0.0.1:15053",
-                "--name",
-                "dns-proxy",
-            ])
-            .user(PROXY_UID, PROXY_UID),
-        )?,
-    );
+    servers.push(spawn_dns_listener(
+        &f.env,
+        &f.client,
+        probe(),
+        "127.0.0.1:15053",
+    )?);
     std::thread::sleep(Duration::from_millis(300));
     // The servers in the server pod answer without a name, the DNS listener with its own.
     let from_client = |v: &Value| {

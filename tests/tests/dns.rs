@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
-use sidestep_tests::{Node, NodeOptions, Pod, Spawn, TestEnv, sidestep::Loaded, skip_unless_root};
+use sidestep_tests::{
+    Node, NodeOptions, Pod, Spawn, TestEnv, net::spawn_dns_listener, sidestep::Loaded,
+    skip_unless_root,
+};
 
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
@@ -46,22 +49,8 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     loaded.enroll(&pod, &["--dns-capture"])?;
 
     // The "proxy" DNS listener on 15053 (UDP and TCP), and a real resolver in another pod.
-    let _udp4 = pod.spawn(
-        &env,
-        Spawn::new(&[
-            probe(),
-            "udp-serve",
-            "127.0.0.1:15053",
-            "--name",
-            "dns-proxy",
-        ])
-        .user(PROXY_UID, PROXY_UID),
-    )?;
-    let _udp6 = pod.spawn(
-        &env,
-        Spawn::new(&[probe(), "udp-serve", "[::1]:15053", "--name", "dns-proxy"])
-            .user(PROXY_UID, PROXY_UID),
-    )?;
+    let _udp4 = spawn_dns_listener(&env, &pod, probe(), "127.0.0.1:15053")?;
+    let _udp6 = spawn_dns_listener(&env, &pod, probe(), "[::1]:15053")?;
     let tcp = pod.spawn(
         &env,
         Spawn::new(&[probe(), "proxy", "127.0.0.1:15053", "-", "--no-forward"])
