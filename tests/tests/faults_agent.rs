@@ -536,17 +536,24 @@ fn agent_repairs_lost_pins_and_reports_damaged_state() -> Result<()> {
         std::fs::remove_dir_all(&pin_root).context("deleting the pins")
     })?;
     expect_repair(&env, &pin_root, &mut a, &pod, cookie, 2, || bpffs.unmount())?;
-    // Only the port rules map lost: the pod stays in the pod map, but its excluded ports went
-    // with the map, so the reconcile must enrol it again all the same.
-    let ports = pin_root.join("maps/SIDESTEP_PORTS");
-    expect_repair(&env, &pin_root, &mut a, &pod, cookie, 3, || {
-        std::fs::remove_file(&ports).context("deleting the port rules map's pin")
-    })?;
-    let rules = bpftool(&["map", "dump", "pinned", &ports.display().to_string()])?;
-    ensure!(
-        rules.as_array().is_some_and(|r| !r.is_empty()),
-        "the pod's port rules were not written again: {rules}"
-    );
+    // Only one per-pod entries map lost: the pod stays in the pod map, but its entries there
+    // went with the map, so the reconcile must enrol it again all the same. The port rules
+    // (its excluded ports), and the source map, as a pin root from a version without it looks
+    // after an upgrade (its captured connections would come from loopback until it restarts).
+    for (round, map, what) in [
+        (3, "SIDESTEP_PORTS", "port rules"),
+        (4, "SIDESTEP_SRC", "source addresses"),
+    ] {
+        let path = pin_root.join("maps").join(map);
+        expect_repair(&env, &pin_root, &mut a, &pod, cookie, round, || {
+            std::fs::remove_file(&path).with_context(|| format!("deleting {map}'s pin"))
+        })?;
+        let entries = bpftool(&["map", "dump", "pinned", &path.display().to_string()])?;
+        ensure!(
+            entries.as_array().is_some_and(|e| !e.is_empty()),
+            "the pod's {what} were not written again: {entries}"
+        );
+    }
     expect_inbound(&mut proxy, &pod, "after the reloads")?;
     let record: serde_json::Value =
         serde_json::from_slice(&std::fs::read(plugin.record_path(&pod))?)?;

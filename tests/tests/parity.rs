@@ -272,7 +272,7 @@ fn parity_with_istio_iptables() -> Result<()> {
 
     // The table: one sidestep column per inbound hook, each judged against the oracle.
     let mut rows = Vec::new();
-    let mut counts = [[0usize; 5]; HOOKS.len()];
+    let mut counts = [[0usize; 4]; HOOKS.len()];
     let mut failures = Vec::new();
     for (i, sc) in all.iter().enumerate() {
         let mut row = vec![
@@ -287,7 +287,6 @@ fn parity_with_istio_iptables() -> Result<()> {
             statuses.push(match verdict {
                 Verdict::Match => "match".to_owned(),
                 Verdict::MatchG => "match (G)".to_owned(),
-                Verdict::MatchP => "match (P)".to_owned(),
                 Verdict::Intended(why) => format!("intended: {}", why.reason()),
                 Verdict::Mismatch => format!(
                     "MISMATCH {} (want {})",
@@ -300,7 +299,6 @@ fn parity_with_istio_iptables() -> Result<()> {
                 Verdict::MatchG => 1,
                 Verdict::Intended(_) => 2,
                 Verdict::Mismatch => 3,
-                Verdict::MatchP => 4,
             }] += 1;
             if verdict == Verdict::Mismatch && !failures.contains(&(i + 1)) {
                 failures.push(i + 1);
@@ -336,12 +334,11 @@ fn parity_with_istio_iptables() -> Result<()> {
     ));
     for (h, c) in counts.iter().enumerate() {
         text.push_str(&format!(
-            "{}: {} scenarios: {} match, {} match (G), {} match (P), {} intended, {} mismatch\n",
+            "{}: {} scenarios: {} match, {} match (G), {} intended, {} mismatch\n",
             HOOKS[h],
             all.len(),
             c[0],
             c[1],
-            c[4],
             c[2],
             c[3],
         ));

@@ -11,6 +11,7 @@
 pub(crate) mod facts;
 pub mod hook;
 mod passthrough;
+mod source;
 mod unenroll;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};
@@ -91,20 +92,20 @@ pub fn enroll_netns(
         crate::userns::proxy_ids_on_host(netns, policy.proxy_uid, policy.proxy_gid)?
     };
     let mut entries = policy.to_map_entries(netns_cookie);
+    let earlier_source = maps
+        .sources
+        .get(&netns_cookie, 0)
+        .ok()
+        .filter(|_| was_enrolled);
+    let primary_source = source::primary(&policy.pod_ips, &facts, earlier_source);
     let mut netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
+    netns_keys.source_routes = source::routes(&facts, &primary_source);
+    entries.source = source::entry(primary_source, &netns_keys.source_routes);
     netns_keys.proxy_host_ids = host_ids;
     entries.pod = NetnsKeys::with_host_ids(entries.pod, host_ids);
     entries
         .addresses
         .extend(netns_keys.addresses.iter().map(address_words));
-    // A policy without a pod IP of a family (a hand enrolment, an ambient pod) takes the
-    // netns's own.
-    entries.source = crate::policy::pod_source(
-        policy
-            .pod_ips
-            .iter()
-            .chain(facts.addresses.iter().map(|(_, ip)| ip)),
-    );
     // Before the pod entry: the proxy may bind to ::6 as soon as its pod is captured.
     passthrough::add_ipv6(netns)?;
     // The return route (TPROXY, ambient) goes in before the pod entry that starts marking
@@ -274,8 +275,14 @@ fn netns_keys(
         interface_addresses,
         excluded_ifindexes,
         rerouted_ifindexes,
-        routes: facts.routes.clone(),
+        // Read for a multi-homed pod too (its source routes); the ROUTE list is for `-o <nic>`.
+        routes: if policy.exclude_interfaces.is_empty() {
+            Vec::new()
+        } else {
+            facts.routes.clone()
+        },
         proxy_host_ids: None,
+        source_routes: Vec::new(),
     }
 }
 
@@ -318,6 +325,7 @@ fn write_netns_keys(
                 .map_err(|e| classify(map_names::INTERFACES, 0, e))?;
         }
     }
+    source::write_routes(maps, netns_cookie, &keys.source_routes, was_enrolled)?;
     let routes: Vec<(u32, CidrKey, u8)> = keys
         .routes
         .iter()
@@ -423,9 +431,7 @@ pub fn write_entries(
                 other => other,
             })?;
         }
-        // A later attachment's ADD (another interface's IPs) keeps the first one's source.
-        let has_source = previous.is_some() && maps.sources.get(&netns_cookie, 0).is_ok();
-        if !has_source && entries.source != PodSource::default() {
+        if entries.source != PodSource::default() {
             maps.sources
                 .insert(netns_cookie, entries.source, 0)
                 // It holds as many pods as the pod map, so full means the pod map is.

@@ -19,6 +19,7 @@ pub type AddressMap = HashMap<MapData, [u32; 4], u64>;
 pub type InterfaceMap = HashMap<MapData, sidestep_abi::InterfaceKey, u8>;
 pub type RerouteIfMap = HashMap<MapData, RerouteIfKey, RerouteIf>;
 pub type SourceMap = HashMap<MapData, u64, PodSource>;
+pub type SourceRouteMap = LpmTrie<MapData, CidrKey, [u32; 4]>;
 /// LRU hash; aya's HashMap handle reads and deletes it like a plain hash.
 pub type RerouteNatMap = HashMap<MapData, TupleKey, OrigDst>;
 
@@ -32,6 +33,7 @@ pub struct PolicyMaps {
     pub reroute_ifaces: RerouteIfMap,
     pub reroute_nat: RerouteNatMap,
     pub sources: SourceMap,
+    pub source_routes: SourceRouteMap,
     pub pod_capacity: u32,
     /// The maps above as the kernel described them when they were opened (see [`MapIdentity`]).
     opened: Vec<Opened>,
@@ -149,6 +151,7 @@ impl PolicyMaps {
             reroute_ifaces: typed(&layout, map_names::REROUTE_IFACES, &mut ids)?,
             reroute_nat: typed(&layout, map_names::REROUTE_NAT, &mut ids)?,
             sources: typed(&layout, map_names::SOURCE_ADDRESSES, &mut ids)?,
+            source_routes: typed(&layout, map_names::SOURCE_ROUTES, &mut ids)?,
             pod_capacity,
             opened: ids,
             layout,

@@ -30,9 +30,12 @@ pub mod map_names {
     pub const LOGS: &str = "AYA_LOGS";
     /// Each pod's source addresses for a captured app's socket (`PodSource`).
     pub const SOURCE_ADDRESSES: &str = "SIDESTEP_SRC";
-    pub const ALL: [&str; 17] = [
+    /// A multi-homed pod's routes through its other interfaces, with their sources.
+    pub const SOURCE_ROUTES: &str = "SIDESTEP_SRCR";
+    pub const ALL: [&str; 18] = [
         LOGS,
         SOURCE_ADDRESSES,
+        SOURCE_ROUTES,
         SK_MSG_TCP_ONLY,
         POD_IDENTITY,
         REROUTE_IFACES,
@@ -104,6 +107,8 @@ pub mod capacity {
     pub const INTERFACES: u32 = 4 * PODS;
     /// Re-routed virtual interfaces, over all pods.
     pub const REROUTE_IFACES: u32 = 4 * PODS;
+    /// Routes of multi-homed pods through their other interfaces, over all pods.
+    pub const SOURCE_ROUTES: u32 = 4 * PODS;
     /// Connections DNATed on re-routed interfaces (LRU: the oldest are evicted when full).
     pub const REROUTE_NAT: u32 = 65536;
 }
@@ -320,6 +325,9 @@ pub mod cidr_list {
     /// prefix covering a destination tells whether its route leaves through an excluded
     /// interface, as the `-o <nic>` match of istio-iptables sees it.
     pub const ROUTE: u32 = 2;
+    /// `SIDESTEP_SRCR` keys: a route of the pod through an interface other than the one of its
+    /// source address (`PodSource`), with that interface's address as the value.
+    pub const SOURCE: u32 = 3;
 }
 
 /// Values of `SIDESTEP_CIDRS` entries in the `cidr_list::ROUTE` list.
@@ -480,6 +488,16 @@ pub struct PodSource {
     /// IPv4-mapped.
     pub addr4: [u32; 4],
     pub addr6: [u32; 4],
+    /// `pod_source_flags`.
+    pub flags: u32,
+    pub _reserved: u32,
+}
+
+/// Bits of `PodSource::flags`.
+pub mod pod_source_flags {
+    /// The pod has routes through other interfaces in `SIDESTEP_SRCR`: look the destination up
+    /// there first (a multi-homed pod, e.g. Multus's `net1`).
+    pub const ROUTES: u32 = 1 << 0;
 }
 
 /// Per-pod, per-CPU counters, keyed by netns cookie.
@@ -566,7 +584,7 @@ mod user {
     unsafe impl aya::Pod for RerouteIfKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for RerouteIf {}
-    // SAFETY: repr(C), two arrays of u32, no padding.
+    // SAFETY: as above.
     unsafe impl aya::Pod for PodSource {}
 }
 

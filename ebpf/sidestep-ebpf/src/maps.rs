@@ -25,6 +25,12 @@ pub static SIDESTEP_ADDRS: HashMap<[u32; 4], u64, { capacity::ADDRESSES as usize
 #[btf_map]
 pub static SIDESTEP_SRC: HashMap<u64, PodSource, { capacity::PODS as usize }> = HashMap::new();
 
+/// A multi-homed pod's routes through interfaces other than its source address's:
+/// (cookie, `cidr_list::SOURCE`, destination prefix) -> that interface's address of the family.
+#[btf_map]
+pub static SIDESTEP_SRCR: LpmTrie<CidrKey, [u32; 4], { capacity::SOURCE_ROUTES as usize }> =
+    LpmTrie::new();
+
 #[btf_map]
 pub static SIDESTEP_PORTS: HashMap<PortKey, u8, { capacity::PORT_RULES as usize }> = HashMap::new();
 

@@ -3,12 +3,13 @@
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use sidestep_abi::{
     CIDR_KEY_FIXED_BITS, CidrKey, Counters, InterfaceKey, PodPolicy, PortKey, cidr_list, defaults,
-    flags, iface_kind, is_v4_mapped, linux, port_list, redirect_kind, route_via, rule,
+    flags, iface_kind, is_v4_mapped, linux, pod_source_flags, port_list, redirect_kind, route_via,
+    rule,
 };
 
 use crate::maps::{
     SIDESTEP_ADDRS, SIDESTEP_CIDRS, SIDESTEP_IFACES, SIDESTEP_POD, SIDESTEP_PORTS, SIDESTEP_SRC,
-    SIDESTEP_STATS,
+    SIDESTEP_SRCR, SIDESTEP_STATS,
 };
 
 /// `127.0.0.1` in network byte order.
@@ -131,10 +132,11 @@ pub fn is_unspecified(addr: &[u32; 4]) -> bool {
 /// - one of the pod's own IPv6 addresses (or ::6): the destination itself (RFC 6724, rule 1);
 /// - an IPv6 link-local destination: None (its source would need the scope, which a sock_addr
 ///   program cannot see);
+/// - a destination routed through another interface of a multi-homed pod (`SIDESTEP_SRCR`):
+///   that interface's address;
 /// - anything else: the pod's address of the family (`SIDESTEP_SRC`, the pod's primary), which
 ///   for IPv4 is also the source of the local route of one of the pod's addresses on its
-///   network. A destination routed through a second interface gets it too, where REDIRECT
-///   leaves that interface's address.
+///   network.
 #[inline(always)]
 pub fn redirect_source(netns_cookie: u64, dst: &[u32; 4]) -> Option<[u32; 4]> {
     if is_loopback(dst) || is_unspecified(dst) {
@@ -149,7 +151,20 @@ pub fn redirect_source(netns_cookie: u64, dst: &[u32; 4]) -> Option<[u32; 4]> {
     }
     // SAFETY: the value is copied out at once.
     let pod = unsafe { SIDESTEP_SRC.get(netns_cookie) }?;
-    let src = if v4 { pod.addr4 } else { pod.addr6 };
+    let routed = if pod.flags & pod_source_flags::ROUTES != 0 {
+        let key = Key::new(
+            CIDR_KEY_FIXED_BITS + 128,
+            CidrKey::new(netns_cookie, cidr_list::SOURCE, addr_bytes(dst)),
+        );
+        SIDESTEP_SRCR.get(&key).copied()
+    } else {
+        None
+    };
+    let src = match routed {
+        Some(src) => src,
+        None if v4 => pod.addr4,
+        None => pod.addr6,
+    };
     if is_unspecified(&src) {
         None
     } else {

@@ -32,20 +32,6 @@ fn rule_g(oracle: &Outcome) -> Outcome {
     o
 }
 
-/// Rule P, the connection's source: REDIRECT leaves the source the route of the original
-/// destination chose; connect4/6 bind the pod's primary address of the family (connect.rs), so a
-/// destination routed through net1 shows S4 or S6 where Istio's shows net1's address.
-fn rule_p(oracle: &Outcome) -> Outcome {
-    let mut o = oracle.clone();
-    o.source = match o.source.as_str() {
-        "S4n1" => "S4",
-        "S6n1" => "S6",
-        other => other,
-    }
-    .into();
-    o
-}
-
 /// sidestep's exact outcome for an `Intended` row.
 fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Names) -> Outcome {
     let dst = names.addr(sc.dst);
@@ -56,7 +42,7 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
         orig_v4: "ENOENT".into(),
         orig_v6: dst.clone(),
         app_peer: dst.clone(),
-        source: rule_p(oracle).source,
+        source: oracle.source.clone(),
     };
     match why {
         Intended::SkAssign => {
@@ -104,7 +90,7 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
             }
             .into(),
             app_peer: dst.clone(),
-            source: rule_p(oracle).source,
+            source: oracle.source.clone(),
         },
     }
 }
@@ -113,7 +99,6 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
 pub(super) enum Verdict {
     Match,
     MatchG,
-    MatchP,
     Intended(Intended),
     Mismatch,
 }
@@ -136,11 +121,6 @@ pub(super) fn judge(
         }
         None if ss == oracle => (Verdict::Match, None),
         None if *ss == rule_g(oracle) => (Verdict::MatchG, None),
-        None if rule_p(oracle) != *oracle
-            && (*ss == rule_p(oracle) || *ss == rule_g(&rule_p(oracle))) =>
-        {
-            (Verdict::MatchP, None)
-        }
         None => (Verdict::Mismatch, Some(rule_g(oracle))),
     }
 }

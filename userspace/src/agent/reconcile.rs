@@ -140,7 +140,7 @@ pub struct Recreated {
 }
 
 /// Maps that hold per-pod entries besides the pod map.
-const ENTRY_MAPS: [&str; 7] = [
+const ENTRY_MAPS: [&str; 8] = [
     map_names::PORT_RULES,
     map_names::CIDR_RULES,
     map_names::COUNTERS,
@@ -148,6 +148,7 @@ const ENTRY_MAPS: [&str; 7] = [
     map_names::INTERFACES,
     map_names::REROUTE_IFACES,
     map_names::SOURCE_ADDRESSES,
+    map_names::SOURCE_ROUTES,
 ];
 
 impl Recreated {

@@ -56,7 +56,9 @@ impl NetnsFacts {
     }
 }
 
-/// Reads the netns's interfaces and addresses, and its routes when `with_routes`.
+/// Reads the netns's interfaces and addresses, and its routes when `with_routes` or when
+/// addresses sit on more than one interface (the source of a captured connection then depends
+/// on the route: enroll/source.rs).
 pub fn read(netns: &Netns, with_routes: bool) -> Result<NetnsFacts, NetnsError> {
     netns.run(move || {
         let mut facts = NetnsFacts::default();
@@ -82,7 +84,15 @@ pub fn read(netns: &Netns, with_routes: bool) -> Result<NetnsFacts, NetnsError> 
             };
             facts.addresses.push((a.interface_name.clone(), ip));
         }
-        if with_routes {
+        let mut homes: Vec<&str> = facts
+            .addresses
+            .iter()
+            .filter(|(_, ip)| !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        homes.sort_unstable();
+        homes.dedup();
+        if with_routes || homes.len() > 1 {
             facts.routes = dump_routes()?;
         }
         Ok(facts)
@@ -201,6 +211,9 @@ pub struct NetnsKeys {
     /// The routes written to the `cidr_list::ROUTE` list (pods with excluded interfaces).
     #[serde(default)]
     pub routes: Vec<Route>,
+    /// A multi-homed pod's routes through its other interfaces (`SIDESTEP_SRCR`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_routes: Vec<super::source::SourceRoute>,
     /// The proxy's (uid, gid) as the host sees them, when the netns belongs to a user namespace
     /// of its own (`hostUsers: false`): what the pod entry holds instead of the policy's IDs.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -18,7 +18,7 @@ use std::path::Path;
 use aya::maps::{MapError, lpm_trie::Key};
 use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, map_names};
 
-use super::{NetnsKeys, reroute_names, route_entry};
+use super::{NetnsKeys, reroute_names, route_entry, source};
 use crate::{
     error::{EnrollError, MapsError},
     maps::{PolicyMaps, classify},
@@ -229,6 +229,7 @@ pub fn unenroll_cookie(maps: &mut PolicyMaps, netns_cookie: u64) -> Result<bool,
     first.note(remove_addresses(maps, netns_cookie, &[]));
     first.note(remove_interfaces(maps, netns_cookie, &[]));
     first.note(remove_reroute(maps, netns_cookie, &[]));
+    remove_source_routes(maps, netns_cookie, |_| true, &mut first);
     first.into_result().map(|()| was_enrolled)
 }
 
@@ -353,6 +354,24 @@ fn remove_netns_keys(
             ));
         }
     }
+    for result in source::remove_recorded(maps, netns_cookie, &keys.source_routes) {
+        first.note(deleted(map_names::SOURCE_ROUTES, result));
+    }
+}
+
+/// Removes the pod's source routes whose source `gone` names (all of them for `|_| true`).
+fn remove_source_routes(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    gone: impl Fn(std::net::IpAddr) -> bool,
+    first: &mut FirstError,
+) {
+    for (bits, data) in source::scan(maps, netns_cookie, gone) {
+        first.note(deleted(
+            map_names::SOURCE_ROUTES,
+            maps.source_routes.remove(&Key::new(bits, data)),
+        ));
+    }
 }
 
 /// Removes one attachment of a pod whose other attachments stay enrolled (a Multus network, a
@@ -369,6 +388,14 @@ pub fn unenroll_attachment(
     let mut first = FirstError::default();
     let words: Vec<[u32; 4]> = addresses.iter().map(crate::policy::address_words).collect();
     remove_own_addresses(&mut maps, netns_cookie, words.iter(), &mut first);
+    // Routes through the attachment's interface go with it: its address cannot be bound any
+    // more, and their destinations now take the pod's other routes.
+    remove_source_routes(
+        &mut maps,
+        netns_cookie,
+        |ip| addresses.contains(&ip),
+        &mut first,
+    );
     for &ifindex in inbound_ifindexes {
         let key = InterfaceKey {
             netns_cookie,

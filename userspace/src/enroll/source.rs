@@ -1,0 +1,262 @@
+//! The source a captured connection leaves from. connect4/6 bind a captured socket to the address
+//! REDIRECT would have left it, the one the route of the original destination gives: the pod's
+//! primary address of the family (`SIDESTEP_SRC`), or, on a multi-homed pod, the address of the
+//! interface another route leaves by (`SIDESTEP_SRCR`, a longest-prefix match on the
+//! destination).
+
+use std::net::IpAddr;
+
+use aya::maps::lpm_trie::Key;
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use sidestep_abi::{CidrKey, PodSource, cidr_list, map_names, pod_source_flags};
+
+use super::facts::NetnsFacts;
+use crate::{
+    error::MapsError,
+    maps::{PolicyMaps, classify},
+    policy::{address_words, cidr_entry, pod_source, words_address},
+};
+
+/// A route of a multi-homed pod through an interface other than its source address's, with the
+/// address connections it carries leave from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceRoute {
+    pub destination: IpAddr,
+    pub prefix_len: u8,
+    pub source: IpAddr,
+}
+
+impl SourceRoute {
+    /// Its `SIDESTEP_SRCR` key: (prefix bits, key data).
+    fn key(&self, netns_cookie: u64) -> Option<(u32, CidrKey)> {
+        let net = IpNet::new(self.destination, self.prefix_len).ok()?;
+        Some(cidr_entry(netns_cookie, cidr_list::SOURCE, &net.trunc()))
+    }
+}
+
+/// The pod's source addresses: those an earlier enrolment of the netns chose (a later
+/// attachment's ADD names its own interface's IPs), else the policy's first pod IP of each
+/// family, else the netns's first usable address of it.
+pub(super) fn primary(
+    policy_ips: &[IpAddr],
+    facts: &NetnsFacts,
+    earlier: Option<PodSource>,
+) -> PodSource {
+    let fresh = pod_source(
+        policy_ips
+            .iter()
+            .chain(facts.addresses.iter().map(|(_, ip)| ip)),
+    );
+    let Some(earlier) = earlier else {
+        return fresh;
+    };
+    let keep = |old: [u32; 4], new: [u32; 4]| if old == [0; 4] { new } else { old };
+    PodSource {
+        addr4: keep(earlier.addr4, fresh.addr4),
+        addr6: keep(earlier.addr6, fresh.addr6),
+        flags: 0,
+        _reserved: 0,
+    }
+}
+
+/// The routes (facts read them for a pod with addresses on more than one interface) that leave
+/// by an interface other than the one holding `primary`'s address of their family, each with
+/// that interface's first usable address of the family, which is the source the kernel picks
+/// for a destination the route covers (a route's preferred-source attribute is not read).
+/// Link-local and multicast prefixes are left out: connect never asks for them.
+pub(super) fn routes(facts: &NetnsFacts, primary: &PodSource) -> Vec<SourceRoute> {
+    let interface_of = |ip: IpAddr| {
+        facts
+            .addresses
+            .iter()
+            .find(|(_, a)| *a == ip)
+            .and_then(|(name, _)| facts.ifindex(name))
+    };
+    let primary_ifindex = |v4: bool| {
+        let words = if v4 { primary.addr4 } else { primary.addr6 };
+        (words != [0; 4])
+            .then(|| interface_of(words_address(&words)))
+            .flatten()
+    };
+    let (home4, home6) = (primary_ifindex(true), primary_ifindex(false));
+    let mut out = Vec::new();
+    for route in &facts.routes {
+        let v4 = route.destination.is_ipv4();
+        let skipped = match route.destination {
+            IpAddr::V4(a) => a.is_multicast() || a.is_link_local(),
+            IpAddr::V6(a) => a.is_multicast() || a.is_unicast_link_local(),
+        };
+        if skipped || Some(route.ifindex) == (if v4 { home4 } else { home6 }) {
+            continue;
+        }
+        let Some((name, _)) = facts.interfaces.iter().find(|(_, i)| *i == route.ifindex) else {
+            continue;
+        };
+        let own = pod_source(&facts.addresses_of(name));
+        let words = if v4 { own.addr4 } else { own.addr6 };
+        if words == [0; 4] {
+            continue;
+        }
+        out.push(SourceRoute {
+            destination: route.destination,
+            prefix_len: route.prefix_len,
+            source: words_address(&words),
+        });
+    }
+    out
+}
+
+/// The pod's `SIDESTEP_SRC` entry, with the routes flag when it has any.
+pub(super) fn entry(primary: PodSource, routes: &[SourceRoute]) -> PodSource {
+    PodSource {
+        flags: if routes.is_empty() {
+            0
+        } else {
+            pod_source_flags::ROUTES
+        },
+        ..primary
+    }
+}
+
+/// Writes the pod's source routes; a re-enrolment's stale ones (found by a scan of the pod's
+/// keys, which only multi-homed pods have) go.
+pub(super) fn write_routes(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    routes: &[SourceRoute],
+    was_enrolled: bool,
+) -> Result<(), MapsError> {
+    let wanted: Vec<(u32, CidrKey)> = routes.iter().filter_map(|r| r.key(netns_cookie)).collect();
+    for (route, (bits, data)) in routes.iter().zip(&wanted) {
+        maps.source_routes
+            .insert(&Key::new(*bits, *data), address_words(&route.source), 0)
+            .map_err(|e| classify(map_names::SOURCE_ROUTES, 0, e))?;
+    }
+    if was_enrolled {
+        for (bits, data) in scan(maps, netns_cookie, |_| true) {
+            if !wanted.contains(&(bits, data)) {
+                let _ = maps.source_routes.remove(&Key::new(bits, data));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The pod's `SIDESTEP_SRCR` keys whose source `keep` accepts.
+pub(super) fn scan(
+    maps: &PolicyMaps,
+    netns_cookie: u64,
+    keep: impl Fn(IpAddr) -> bool,
+) -> Vec<(u32, CidrKey)> {
+    let cookie_words = CidrKey::new(netns_cookie, 0, [0; 16]).netns_cookie;
+    maps.source_routes
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, source)| k.data().netns_cookie == cookie_words && keep(words_address(source)))
+        .map(|(k, _)| (k.prefix_len(), k.data()))
+        .collect()
+}
+
+/// Removes the recorded routes' keys.
+pub(super) fn remove_recorded(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    routes: &[SourceRoute],
+) -> Vec<Result<(), aya::maps::MapError>> {
+    routes
+        .iter()
+        .filter_map(|r| r.key(netns_cookie))
+        .map(|(bits, data)| maps.source_routes.remove(&Key::new(bits, data)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::enroll::facts::Route;
+
+    fn facts() -> NetnsFacts {
+        NetnsFacts {
+            addresses: vec![
+                ("eth0".into(), "10.1.0.5".parse().unwrap()),
+                ("eth0".into(), "fd00:1::5".parse().unwrap()),
+                ("eth0".into(), "fe80::1".parse().unwrap()),
+                ("net1".into(), "fe80::2".parse().unwrap()),
+                ("net1".into(), "10.2.0.5".parse().unwrap()),
+                ("net1".into(), "fd00:2::5".parse().unwrap()),
+                ("net2".into(), "fe80::3".parse().unwrap()),
+            ],
+            interfaces: vec![("eth0".into(), 2), ("net1".into(), 3), ("net2".into(), 4)],
+            routes: [
+                ("0.0.0.0", 0, 2),
+                ("10.1.0.0", 24, 2),
+                ("10.2.0.0", 24, 3),
+                ("10.3.0.0", 16, 3),
+                ("fd00:2::", 64, 3),
+                ("fe80::", 64, 3),
+                ("10.4.0.0", 16, 4),
+            ]
+            .iter()
+            .map(|(d, l, i)| Route {
+                destination: d.parse().unwrap(),
+                prefix_len: *l,
+                ifindex: *i,
+            })
+            .collect(),
+        }
+    }
+
+    #[test]
+    fn only_routes_through_other_interfaces_with_an_address_of_the_family() {
+        let f = facts();
+        let primary = primary(&["10.1.0.5".parse().unwrap()], &f, None);
+        assert_eq!(
+            words_address(&primary.addr6),
+            "fd00:1::5".parse::<IpAddr>().unwrap()
+        );
+        let got: Vec<(String, u8, String)> = routes(&f, &primary)
+            .iter()
+            .map(|r| {
+                (
+                    r.destination.to_string(),
+                    r.prefix_len,
+                    r.source.to_string(),
+                )
+            })
+            .collect();
+        // eth0's own routes stay with the primary; net2 has no usable IPv4 address; the
+        // link-local prefix is never asked for.
+        assert_eq!(
+            got,
+            [
+                ("10.2.0.0".into(), 24, "10.2.0.5".into()),
+                ("10.3.0.0".into(), 16, "10.2.0.5".into()),
+                ("fd00:2::".into(), 64, "fd00:2::5".into()),
+            ]
+        );
+        assert_eq!(
+            entry(primary, &routes(&f, &primary)).flags,
+            pod_source_flags::ROUTES
+        );
+        assert_eq!(entry(primary, &[]).flags, 0);
+    }
+
+    #[test]
+    fn a_later_attachment_keeps_the_first_ones_source() {
+        let f = facts();
+        let first = primary(&["10.1.0.5".parse().unwrap()], &f, None);
+        // net1's ADD names net1's IPs; the pod keeps leaving from eth0's.
+        let later = primary(&["10.2.0.5".parse().unwrap()], &f, Some(first));
+        assert_eq!(later.addr4, first.addr4);
+        assert_eq!(later.addr6, first.addr6);
+        // A family the first enrolment had none of is filled in.
+        let v4_only = PodSource {
+            addr6: [0; 4],
+            ..first
+        };
+        let later = primary(&[], &f, Some(v4_only));
+        assert_eq!(later.addr6, first.addr6);
+    }
+}
