@@ -97,7 +97,7 @@ pub fn enroll_netns(
         .get(&netns_cookie, 0)
         .ok()
         .filter(|_| was_enrolled);
-    let primary_source = source::primary(&policy.pod_ips, &facts, earlier_source);
+    let primary_source = source::primary(entries.source, &facts, earlier_source);
     let mut netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
     netns_keys.source_routes = source::routes(&facts, &primary_source);
     entries.source = source::entry(primary_source, &netns_keys.source_routes);
@@ -422,26 +422,22 @@ pub fn write_entries(
                 .insert(addr, netns_cookie, 0)
                 .map_err(|e| classify(map_names::POD_ADDRESSES, 0, e))?;
         }
+        // The counter and source maps hold as many pods as the pod map: full means it is.
+        let capacity = maps.pod_capacity;
+        let pod_map_full = |e: MapsError| match e {
+            MapsError::Full { .. } => MapsError::Full {
+                map: map_names::POD_POLICY,
+                capacity,
+            },
+            other => other,
+        };
         if previous.is_none() {
-            maps.zero_counters(netns_cookie).map_err(|e| match e {
-                MapsError::Full { .. } => MapsError::Full {
-                    map: map_names::POD_POLICY,
-                    capacity: maps.pod_capacity,
-                },
-                other => other,
-            })?;
+            maps.zero_counters(netns_cookie).map_err(pod_map_full)?;
         }
         if entries.source != PodSource::default() {
             maps.sources
                 .insert(netns_cookie, entries.source, 0)
-                // It holds as many pods as the pod map, so full means the pod map is.
-                .map_err(|e| match classify(map_names::SOURCE_ADDRESSES, 0, e) {
-                    MapsError::Full { .. } => MapsError::Full {
-                        map: map_names::POD_POLICY,
-                        capacity: maps.pod_capacity,
-                    },
-                    other => other,
-                })?;
+                .map_err(|e| pod_map_full(classify(map_names::SOURCE_ADDRESSES, 0, e)))?;
         }
         crate::sys::failpoint("enroll:before-pod-entry");
         maps.pods

@@ -362,16 +362,9 @@ fn source(names: &Names, client: &Value, accepted: &Value) -> String {
     let parse = |v: &Value| {
         v.as_str()
             .and_then(|s| s.parse::<SocketAddr>().ok())
-            .map(|a| match a {
-                SocketAddr::V6(a6) if a6.ip().to_ipv4_mapped().is_some() => SocketAddr::new(
-                    IpAddr::V4(
-                        a6.ip()
-                            .to_ipv4_mapped()
-                            .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED),
-                    ),
-                    a.port(),
-                ),
-                a => a,
+            .map(|a| match a.ip().to_canonical() {
+                v4 @ IpAddr::V4(_) => SocketAddr::new(v4, a.port()),
+                IpAddr::V6(_) => a,
             })
     };
     match (parse(&client["local"]), parse(&accepted["peer"])) {

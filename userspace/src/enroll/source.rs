@@ -36,26 +36,20 @@ impl SourceRoute {
     }
 }
 
-/// The pod's source addresses: those an earlier enrolment of the netns chose (a later
-/// attachment's ADD names its own interface's IPs), else the policy's first pod IP of each
-/// family, else the netns's first usable address of it.
+/// The pod's source addresses, by family: the one an earlier enrolment of the netns chose (a
+/// later attachment's ADD names its own interface's IPs), else the policy's (its first pod IP,
+/// `MapEntries::source`), else the netns's first usable address.
 pub(super) fn primary(
-    policy_ips: &[IpAddr],
+    policy: PodSource,
     facts: &NetnsFacts,
     earlier: Option<PodSource>,
 ) -> PodSource {
-    let fresh = pod_source(
-        policy_ips
-            .iter()
-            .chain(facts.addresses.iter().map(|(_, ip)| ip)),
-    );
-    let Some(earlier) = earlier else {
-        return fresh;
-    };
-    let keep = |old: [u32; 4], new: [u32; 4]| if old == [0; 4] { new } else { old };
+    let netns = pod_source(facts.addresses.iter().map(|(_, ip)| ip));
+    let earlier = earlier.unwrap_or_default();
+    let first = |words: [[u32; 4]; 3]| words.into_iter().find(|w| *w != [0; 4]).unwrap_or_default();
     PodSource {
-        addr4: keep(earlier.addr4, fresh.addr4),
-        addr6: keep(earlier.addr6, fresh.addr6),
+        addr4: first([earlier.addr4, policy.addr4, netns.addr4]),
+        addr6: first([earlier.addr6, policy.addr6, netns.addr6]),
         flags: 0,
         _reserved: 0,
     }
@@ -211,7 +205,7 @@ mod tests {
     #[test]
     fn only_routes_through_other_interfaces_with_an_address_of_the_family() {
         let f = facts();
-        let primary = primary(&["10.1.0.5".parse().unwrap()], &f, None);
+        let primary = primary(pod_source(&["10.1.0.5".parse().unwrap()]), &f, None);
         assert_eq!(
             words_address(&primary.addr6),
             "fd00:1::5".parse::<IpAddr>().unwrap()
@@ -246,9 +240,9 @@ mod tests {
     #[test]
     fn a_later_attachment_keeps_the_first_ones_source() {
         let f = facts();
-        let first = primary(&["10.1.0.5".parse().unwrap()], &f, None);
+        let first = primary(pod_source(&["10.1.0.5".parse().unwrap()]), &f, None);
         // net1's ADD names net1's IPs; the pod keeps leaving from eth0's.
-        let later = primary(&["10.2.0.5".parse().unwrap()], &f, Some(first));
+        let later = primary(pod_source(&["10.2.0.5".parse().unwrap()]), &f, Some(first));
         assert_eq!(later.addr4, first.addr4);
         assert_eq!(later.addr6, first.addr6);
         // A family the first enrolment had none of is filled in.
@@ -256,7 +250,7 @@ mod tests {
             addr6: [0; 4],
             ..first
         };
-        let later = primary(&[], &f, Some(v4_only));
+        let later = primary(PodSource::default(), &f, Some(v4_only));
         assert_eq!(later.addr6, first.addr6);
     }
 }
