@@ -277,6 +277,7 @@ fn tcp_fast_open_is_captured() -> Result<()> {
     f.start_proxy()?;
     let active = tcp_ext(&f, "TCPFastOpenActive")?;
     let passive = tcp_ext(&f, "TCPFastOpenPassive")?;
+    let resets = tcp_ext(&f, "TCPAbortOnClose")?;
     let m = f.mark();
     let v = f.app(&["tfo", &v4, "--data", "data-in-syn"])?;
     ensure!(v["reply"] == "probe" && peer_is(&v, &v4), "{v}");
@@ -289,6 +290,13 @@ fn tcp_fast_open_is_captured() -> Result<()> {
     ensure!(
         active2 > active && passive2 > passive,
         "the SYN carried no data: TCPFastOpenActive {active}->{active2}, Passive {passive}->{passive2}"
+    );
+    // The recorder must not close on the SYN's unread data (RST): a client slow to wake from
+    // sendto then took the reset as the sendto's ECONNRESET, a failure of the fixture.
+    let resets2 = tcp_ext(&f, "TCPAbortOnClose")?;
+    ensure!(
+        resets2 == resets,
+        "a side closed with data unread (TCPAbortOnClose {resets}->{resets2})"
     );
     eprintln!(
         "bypass: TFO data-in-SYN: TCPFastOpenActive {active}->{active2}, TCPFastOpenPassive {passive}->{passive2}"

@@ -88,11 +88,21 @@ fn serve(listener: TcpListener, name: String, report: String, forward: bool) {
                 std::thread::spawn(move || relay(conn, upstream));
             }
             _ => {
-                let mut c = &conn;
-                let _ = c.write_all(b"probe\n");
+                std::thread::spawn(move || answer_and_drain(&conn));
             }
         }
     }
+}
+
+/// Answers "probe" and closes only once the client has: closing with the client's bytes unread
+/// makes the kernel send RST, and a TFO client whose data came in the SYN (so is always unread)
+/// could take that RST before its own sendto returned (ECONNRESET), if slow to be woken.
+fn answer_and_drain(conn: &TcpStream) {
+    let mut c = conn;
+    let _ = c.write_all(b"probe\n");
+    let _ = conn.shutdown(std::net::Shutdown::Write);
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = std::io::copy(&mut c, &mut std::io::sink());
 }
 
 pub(super) fn proxy(
