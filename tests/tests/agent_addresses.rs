@@ -1,7 +1,10 @@
 //! The agent follows the addresses a pod gains after its ADD (SLAAC, DHCP, a later plugin): once
 //! followed, such an address is the pod's own, as Istio's `-o lo` makes it. The app calling it
-//! reaches itself (not the proxy's 15001), and the map entry goes when the address does. The
-//! pod is made through the chain the agent wrote (bridge + the installed plugin). Needs root.
+//! reaches itself (not the proxy's 15001), and the map entry goes when the address does. It also
+//! follows an interface attached after the ADD by something else (Multus adds `net1` after the
+//! default network's chain, this plugin included, ran): captured connections to destinations
+//! routed through it leave from its address, as REDIRECT leaves them. The pod is made through
+//! the chain the agent wrote (bridge + the installed plugin). Needs root.
 
 mod agent_support;
 
@@ -18,6 +21,23 @@ fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")
 }
 
+/// `probe proxy 0.0.0.0:PORT - --no-forward` as `uid` in `pod`, once it listens: a line per
+/// accepted connection.
+fn recorder(
+    env: &TestEnv,
+    pod: &sidestep_tests::Pod,
+    port: u16,
+    uid: u32,
+) -> Result<sidestep_tests::ChildGuard> {
+    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], port));
+    let mut child = pod.spawn(
+        env,
+        Spawn::new(&[probe(), "proxy", &addr.to_string(), "-", "--no-forward"]).user(uid, uid),
+    )?;
+    sidestep_tests::wait_listening(&mut child, &[addr], Duration::from_secs(5))?;
+    Ok(child)
+}
+
 #[test]
 fn addresses_added_after_the_add_are_the_pods_own() -> Result<()> {
     if skip_unless_root("addresses_added_after_the_add_are_the_pods_own") {
@@ -27,17 +47,8 @@ fn addresses_added_after_the_add_are_the_pods_own() -> Result<()> {
     let d = Dirs::new(&env)?;
     let (agent, node) = d.ready_agent_and_node(&env)?;
     let web = node.add_pod_with("web", meshed())?;
-    let listen = |addr: &str, uid: u32| {
-        web.spawn(
-            &env,
-            Spawn::new(&[probe(), "proxy", addr, "-", "--no-forward"]).user(uid, uid),
-        )
-    };
-    let mut outbound = listen("0.0.0.0:15001", PROXY_UID)?;
-    let mut app = listen("0.0.0.0:8080", APP_UID)?;
-    let any = |port| std::net::SocketAddr::from(([0, 0, 0, 0], port));
-    sidestep_tests::wait_listening(&mut outbound, &[any(15001)], Duration::from_secs(5))?;
-    sidestep_tests::wait_listening(&mut app, &[any(8080)], Duration::from_secs(5))?;
+    let outbound = recorder(&env, &web, 15001, PROXY_UID)?;
+    let app = recorder(&env, &web, 8080, APP_UID)?;
 
     let octets = web.ipv4.octets();
     let late = std::net::Ipv4Addr::new(octets[0], octets[1], octets[2], 200);
@@ -84,6 +95,121 @@ fn addresses_added_after_the_add_are_the_pods_own() -> Result<()> {
         Ok(agent.metric("sidestep_late_addresses_removed_total")? >= 1.0)
     })
     .with_context(|| agent.log())?;
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}
+
+/// A pod gains `net1` after its ADD (a device with an address and one more route through
+/// it, as a Multus network or a later plugin would leave it). Under Istio's REDIRECT a connection
+/// to a destination routed through net1 keeps net1's address as its source; the proxy's
+/// `getpeername` must show the same here, the route's removal must be followed too, and the
+/// pod's DEL must leave no source route behind although no record names them.
+#[test]
+fn an_interface_attached_after_the_add_gives_its_routes_their_source() -> Result<()> {
+    if skip_unless_root("an_interface_attached_after_the_add_gives_its_routes_their_source") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-srcr")?;
+    let d = Dirs::new(&env)?;
+    let (agent, node) = d.ready_agent_and_node(&env)?;
+    let pod = node.add_pod_with("multi", meshed())?;
+    let outbound = recorder(&env, &pod, 15001, PROXY_UID)?;
+    // The source the proxy saw for a captured connection to `target`.
+    let source_of = |target: &str| -> Result<String> {
+        let seen = |p: &sidestep_tests::ChildGuard| p.stdout().lines().count();
+        let before = seen(&outbound);
+        let out = pod.run(&env, APP_UID, &[probe(), "connect", target])?;
+        ensure!(
+            out.status.success(),
+            "connect to {target}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        wait_until("the proxy's accept", Duration::from_secs(2), || {
+            Ok(seen(&outbound) > before)
+        })?;
+        let line: Value = serde_json::from_str(
+            outbound
+                .stdout()
+                .lines()
+                .nth(before)
+                .context("no accept line")?,
+        )?;
+        ensure!(
+            line["orig_v4"]["addr"] == target,
+            "not captured with {target} as its original destination: {line}"
+        );
+        let peer: std::net::SocketAddr = line["peer"].as_str().context("peer")?.parse()?;
+        Ok(peer.ip().to_string())
+    };
+    // The pod's entries of a map of the test's pin root (the only pod there).
+    let entries =
+        |map: &str| -> Result<Vec<Value>> {
+            let pin = env.pin_root().join("maps").join(map);
+            Ok(sidestep_tests::faults::bpftool(&[
+                "map",
+                "dump",
+                "pinned",
+                &pin.display().to_string(),
+            ])?
+            .as_array()
+            .cloned()
+            .unwrap_or_default())
+        };
+    let source_routes = || entries("SIDESTEP_SRCR").map(|e| e.len());
+    let eth0 = pod.ipv4.to_string();
+    ensure!(source_of("10.77.0.9:8080")? == eth0, "before net1");
+    ensure!(
+        source_routes()? == 0,
+        "a single-homed pod has no source routes"
+    );
+
+    // A veth pair inside the pod (not every kernel has the dummy driver); the peer stays
+    // without an address.
+    let veth: Vec<&str> = "link add net1 type veth peer name net1-peer"
+        .split(' ')
+        .collect();
+    pod.ip(&veth)?;
+    pod.ip(&["addr", "add", "10.77.0.2/24", "dev", "net1"])?;
+    pod.ip(&["link", "set", "net1-peer", "up"])?;
+    pod.ip(&["link", "set", "net1", "up"])?;
+    pod.ip(&["route", "add", "10.88.0.0/16", "dev", "net1"])?;
+    let bound = Duration::from_secs(3);
+    // Two routes through net1: its subnet's and 10.88/16.
+    wait_until(
+        "net1's routes followed",
+        bound,
+        || Ok(source_routes()? == 2),
+    )
+    .with_context(|| agent.log())?;
+    wait_until("the follower's count", bound, || {
+        Ok(agent.metric("sidestep_late_source_routes_total")? >= 2.0)
+    })?;
+    for (target, want) in [
+        ("10.77.0.9:8080", "10.77.0.2"),
+        ("10.88.1.1:8080", "10.77.0.2"),
+        ("10.96.0.1:8080", eth0.as_str()),
+    ] {
+        let got = source_of(target)?;
+        ensure!(got == want, "{target}: source {got}, REDIRECT gives {want}");
+    }
+
+    pod.ip(&["route", "del", "10.88.0.0/16", "dev", "net1"])?;
+    wait_until("the removed route followed", bound, || {
+        Ok(source_routes()? == 1)
+    })
+    .with_context(|| agent.log())?;
+    ensure!(
+        source_of("10.88.1.1:8080")? == eth0,
+        "10.88.1.1 is routed through eth0 again"
+    );
+
+    drop(outbound);
+    node.remove_pod(&pod)?;
+    // No record names the follower's routes; the DEL finds them by the pod's routes flag.
+    wait_until("the DEL's cleanup", bound, || {
+        Ok(source_routes()? == 0 && entries("SIDESTEP_SRC")?.is_empty())
+    })
+    .with_context(|| format!("left: {:?}", entries("SIDESTEP_SRCR")))?;
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }

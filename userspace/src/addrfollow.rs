@@ -6,14 +6,21 @@
 //! `SIDESTEP_ADDRS`: connect's local-destination test, and the tc hook's attribution of a SYN to
 //! its pod. Enrolment writes the addresses it saw; an [`AddressFollower`] keeps the map in step
 //! afterwards. It holds a NETLINK_ROUTE socket created inside the pod netns and subscribed to
-//! its address notifications; each notification makes it read the netns's addresses again (the
-//! notifications themselves are not trusted to be complete: the socket may overrun).
+//! its address and route notifications; each notification makes it read the netns's addresses
+//! again (the notifications themselves are not trusted to be complete: the socket may overrun).
+//! The same read keeps the source of captured connections in step (`SIDESTEP_SRC` for a family
+//! the pod gained, `SIDESTEP_SRCR` for routes through interfaces attached after the ADD).
 //!
-//! What a follower writes, it owns: it never takes an address that another live pod holds (as
-//! enrolment does not), and it removes only entries it added that still name its pod. Entries it
-//! added outlive it only if it dies with them in place; they name a cookie that no pod will have
-//! again (netns cookies are not reused), which the data path treats as "not this pod", and
-//! `unenroll_cookie` (the agent's GC) removes them.
+//! What a follower writes to `SIDESTEP_ADDRS`, it owns: it never takes an address that another
+//! live pod holds (as enrolment does not), and it removes only entries it added that still name
+//! its pod. Entries it added outlive it only if it dies with them in place; they name a cookie
+//! that no pod will have again (netns cookies are not reused), which the data path treats as
+//! "not this pod", and `unenroll_cookie` (the agent's GC) removes them.
+//!
+//! The source entries are the pod's, not the follower's: it rewrites them whole from the netns
+//! (enrolment's included) and leaves them in place when it stops; the pod's DEL removes them
+//! (the routes flag makes it scan for routes no record names), and a sync that finds its pod
+//! unenrolled after writing removes what it wrote.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -27,14 +34,16 @@ use std::{
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 use crate::{
+    enroll::source::SourceChanges,
     error::{MapsError, NetnsError},
     maps::PolicyMaps,
     netns::Netns,
     policy::{address_words, words_address},
 };
 
-/// `RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR` (linux/rtnetlink.h).
-const ADDRESS_GROUPS: u32 = 0x10 | 0x100;
+/// `RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE`
+/// (linux/rtnetlink.h): routes decide the source of a multi-homed pod's connections.
+const SUBSCRIBED_GROUPS: u32 = 0x10 | 0x100 | 0x40 | 0x400;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FollowError {
@@ -57,11 +66,13 @@ pub struct Synced {
     pub held_by_others: Vec<(IpAddr, u64)>,
     /// The netns is not enrolled (any more, or not yet): nothing of it is in the map.
     pub unenrolled: bool,
+    /// The source its captured connections leave from ([`crate::enroll::source::follow`]).
+    pub source: SourceChanges,
 }
 
 impl Synced {
     pub fn changed(&self) -> bool {
-        !self.added.is_empty() || !self.removed.is_empty()
+        !self.added.is_empty() || !self.removed.is_empty() || self.source.changed()
     }
 }
 
@@ -82,7 +93,7 @@ impl AddressFollower {
         let socket = netns
             .run(|| {
                 let mut socket = Socket::new(NETLINK_ROUTE)?;
-                socket.bind(&SocketAddr::new(0, ADDRESS_GROUPS))?;
+                socket.bind(&SocketAddr::new(0, SUBSCRIBED_GROUPS))?;
                 socket.set_non_blocking(true)?;
                 Ok(socket)
             })
@@ -144,7 +155,8 @@ impl AddressFollower {
             synced.unenrolled = true;
             return Ok(synced);
         }
-        let now: BTreeSet<[u32; 4]> = crate::enroll::facts::read(&self.netns, false)?
+        let facts = crate::enroll::facts::read(&self.netns, false)?;
+        let now: BTreeSet<[u32; 4]> = facts
             .addresses
             .iter()
             .map(|(_, ip)| address_words(ip))
@@ -171,6 +183,7 @@ impl AddressFollower {
             }
             self.added.remove(&words);
         }
+        synced.source = crate::enroll::source::follow(maps, self.cookie, &facts)?;
         Ok(synced)
     }
 

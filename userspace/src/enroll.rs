@@ -11,7 +11,7 @@
 pub(crate) mod facts;
 pub mod hook;
 mod passthrough;
-mod source;
+pub mod source;
 mod unenroll;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};

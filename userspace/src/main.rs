@@ -68,8 +68,9 @@ enum Command {
         #[arg(long)]
         netns: PathBuf,
     },
-    /// Follow the addresses enrolled netns gain and lose after enrolment (SLAAC, DHCP, a later
-    /// plugin), so that they are captured as the pod's own; runs until SIGTERM. The agent does
+    /// Follow the addresses and routes enrolled netns gain and lose after enrolment (SLAAC, DHCP,
+    /// a later plugin or Multus network), so that they are captured as the pod's own and captured
+    /// connections leave from the address REDIRECT would give; runs until SIGTERM. The agent does
     /// this for every pod the CNI plugin enrolled; this is for netns enrolled by hand.
     FollowAddresses {
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
@@ -437,12 +438,26 @@ fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
                 f.cookie()
             ),
             FollowEvent::Synced(f, s) => {
-                if s.changed() {
+                if !s.added.is_empty() || !s.removed.is_empty() {
                     println!(
                         "{}: added {:?}, removed {:?}",
                         f.path().display(),
                         s.added,
                         s.removed
+                    );
+                }
+                let source = &s.source;
+                if source.changed() {
+                    let written: Vec<String> = source
+                        .routes_written
+                        .iter()
+                        .map(|r| format!("{}/{} from {}", r.destination, r.prefix_len, r.source))
+                        .collect();
+                    println!(
+                        "{}: source gained {:?}, routes written {written:?}, {} removed",
+                        f.path().display(),
+                        source.gained,
+                        source.routes_removed
                     );
                 }
                 for (ip, owner) in &s.held_by_others {

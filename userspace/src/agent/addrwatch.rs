@@ -1,6 +1,7 @@
 //! The agent's address follower: every pod the plugin enrolled (a state record with this pin
-//! root) has its netns's later addresses kept in `SIDESTEP_ADDRS` ([`crate::addrfollow`]), from
-//! within a second of its ADD until its DEL removes the record.
+//! root) has its netns's later addresses kept in `SIDESTEP_ADDRS`, and the source of its captured
+//! connections in `SIDESTEP_SRC`/`SIDESTEP_SRCR` ([`crate::addrfollow`]), from within a second of
+//! its ADD until its DEL removes the record.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -47,7 +48,7 @@ fn run(agent: &Agent) {
                 tracing::debug!(netns = %f.path().display(), netns_cookie = f.cookie(), "following the pod's addresses");
             }
             FollowEvent::Synced(f, synced) => {
-                if synced.changed() {
+                if !synced.added.is_empty() || !synced.removed.is_empty() {
                     tracing::info!(
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),
@@ -56,6 +57,21 @@ fn run(agent: &Agent) {
                         "the pod's addresses changed after its enrolment"
                     );
                 }
+                let source = &synced.source;
+                if source.changed() {
+                    tracing::info!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        gained = ?source.gained,
+                        routes_written = ?source.routes_written,
+                        routes_removed = source.routes_removed,
+                        "the source of the pod's captured connections follows its netns"
+                    );
+                }
+                counters.late_source_routes.fetch_add(
+                    (source.routes_written.len() + source.routes_removed) as u64,
+                    Ordering::Relaxed,
+                );
                 counters
                     .late_addresses_added
                     .fetch_add(synced.added.len() as u64, Ordering::Relaxed);

@@ -59,6 +59,8 @@ pub struct AgentCounters {
     /// Addresses the pods gained and lost after enrolment, followed into `SIDESTEP_ADDRS`.
     pub late_addresses_added: AtomicU64,
     pub late_addresses_removed: AtomicU64,
+    /// Source routes (`SIDESTEP_SRCR`) written or removed after enrolment.
+    pub late_source_routes: AtomicU64,
     /// The readiness taint is off this node (`readiness-taint`).
     pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
@@ -339,6 +341,11 @@ pub fn render(
             "sidestep_late_addresses_removed",
             "Addresses registered after enrolment and removed again (the pod lost them, or went)",
             &counters.late_addresses_removed,
+        ),
+        (
+            "sidestep_late_source_routes",
+            "Source routes of multi-homed pods written or removed after enrolment (an interface attached after the ADD, a route changed)",
+            &counters.late_source_routes,
         ),
         (
             "sidestep_reconcile_errors",

@@ -11,7 +11,10 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use sidestep_abi::{CidrKey, PodSource, cidr_list, map_names, pod_source_flags};
 
-use super::facts::NetnsFacts;
+use super::{
+    facts::NetnsFacts,
+    unenroll::{FirstError, deleted},
+};
 use crate::{
     error::MapsError,
     maps::{PolicyMaps, classify},
@@ -144,13 +147,146 @@ pub(super) fn scan(
     netns_cookie: u64,
     keep: impl Fn(IpAddr) -> bool,
 ) -> Vec<(u32, CidrKey)> {
+    scan_entries(maps, netns_cookie)
+        .into_iter()
+        .filter(|(_, source)| keep(words_address(source)))
+        .map(|(key, _)| key)
+        .collect()
+}
+
+/// The pod's `SIDESTEP_SRCR` entries: ((prefix bits, key data), source).
+fn scan_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<((u32, CidrKey), [u32; 4])> {
     let cookie_words = CidrKey::new(netns_cookie, 0, [0; 16]).netns_cookie;
     maps.source_routes
         .iter()
         .filter_map(Result::ok)
-        .filter(|(k, source)| k.data().netns_cookie == cookie_words && keep(words_address(source)))
-        .map(|(k, _)| (k.prefix_len(), k.data()))
+        .filter(|(k, _)| k.data().netns_cookie == cookie_words)
+        .map(|(k, source)| ((k.prefix_len(), k.data()), source))
         .collect()
+}
+
+/// What [`follow`] changed of an enrolled pod's source entries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceChanges {
+    /// Source addresses of a family the pod had none of (an address SLAAC gave it later).
+    pub gained: Vec<IpAddr>,
+    /// Routes through another interface written (new, or with another source).
+    pub routes_written: Vec<SourceRoute>,
+    /// Routes that no longer exist, removed.
+    pub routes_removed: usize,
+}
+
+impl SourceChanges {
+    pub fn changed(&self) -> bool {
+        !self.gained.is_empty() || !self.routes_written.is_empty() || self.routes_removed > 0
+    }
+}
+
+/// Brings an enrolled pod's source entries in step with its netns as `facts` read it now: an
+/// interface attached after the ADD (Multus runs the default network's chain, this plugin
+/// included, before it adds `net1`), a route added or gone, a family the pod had no address of.
+/// The primary addresses enrolment chose stay. No record names the routes written here: the
+/// routes flag is set before any is written and cleared only once all are gone, and DEL scans
+/// for the routes of a flagged pod ([`flagged_routes`]). A pod unenrolled meanwhile (its DEL
+/// ran while the netns was read) gets what this wrote removed again.
+pub(crate) fn follow(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    facts: &NetnsFacts,
+) -> Result<SourceChanges, MapsError> {
+    let current = match maps.sources.get(&netns_cookie, 0) {
+        Ok(entry) => Some(entry),
+        Err(aya::maps::MapError::KeyNotFound) => None,
+        Err(e) => return Err(classify(map_names::SOURCE_ADDRESSES, 0, e)),
+    };
+    let had = current.unwrap_or_default();
+    let primary = primary(PodSource::default(), facts, current);
+    let wanted = routes(facts, &primary);
+    let mut changes = SourceChanges::default();
+    for (was, now) in [(had.addr4, primary.addr4), (had.addr6, primary.addr6)] {
+        if was == [0; 4] && now != [0; 4] {
+            changes.gained.push(words_address(&now));
+        }
+    }
+    let had_routes = had.flags & pod_source_flags::ROUTES != 0;
+    // Only a flagged pod has routes: an unflagged one costs no scan of the trie.
+    let existing = if had_routes {
+        scan_entries(maps, netns_cookie)
+    } else {
+        Vec::new()
+    };
+    // A flagged pod whose lookup misses leaves from its primary address, as an unflagged one.
+    let flagged = entry(primary, &wanted);
+    let during = if had_routes {
+        PodSource {
+            flags: pod_source_flags::ROUTES,
+            ..flagged
+        }
+    } else {
+        flagged
+    };
+    let write_entry = |maps: &mut PolicyMaps, entry: PodSource| {
+        if current == Some(entry) || entry == PodSource::default() {
+            return Ok(());
+        }
+        maps.sources
+            .insert(netns_cookie, entry, 0)
+            .map_err(|e| classify(map_names::SOURCE_ADDRESSES, 0, e))
+    };
+    write_entry(maps, during)?;
+    let mut wanted_keys = Vec::with_capacity(wanted.len());
+    for route in &wanted {
+        let Some(key) = route.key(netns_cookie) else {
+            continue;
+        };
+        wanted_keys.push(key);
+        let source = address_words(&route.source);
+        if existing.contains(&(key, source)) {
+            continue;
+        }
+        maps.source_routes
+            .insert(&Key::new(key.0, key.1), source, 0)
+            .map_err(|e| classify(map_names::SOURCE_ROUTES, 0, e))?;
+        changes.routes_written.push(route.clone());
+    }
+    let mut first = FirstError::default();
+    for (key, _) in existing {
+        if !wanted_keys.contains(&key) {
+            let removed = deleted(
+                map_names::SOURCE_ROUTES,
+                maps.source_routes.remove(&Key::new(key.0, key.1)),
+            );
+            if let Ok(true) = removed {
+                changes.routes_removed += 1;
+            }
+            first.note(removed);
+        }
+    }
+    first.into_result()?;
+    if during != flagged {
+        write_entry(maps, flagged)?;
+    }
+    if !maps.is_enrolled(netns_cookie)? {
+        undo(maps, netns_cookie);
+        return Ok(SourceChanges::default());
+    }
+    Ok(changes)
+}
+
+/// The source entry and routes of a pod whose DEL ran while [`follow`] wrote them.
+fn undo(maps: &mut PolicyMaps, netns_cookie: u64) {
+    let _ = maps.sources.remove(&netns_cookie);
+    for (bits, data) in scan(maps, netns_cookie, |_| true) {
+        let _ = maps.source_routes.remove(&Key::new(bits, data));
+    }
+}
+
+/// Whether the pod's source entry says it has source routes, which the agent's follower may
+/// have written beyond the enrolment's record.
+pub(super) fn flagged_routes(maps: &PolicyMaps, netns_cookie: u64) -> bool {
+    maps.sources
+        .get(&netns_cookie, 0)
+        .is_ok_and(|s| s.flags & pod_source_flags::ROUTES != 0)
 }
 
 /// Removes the recorded routes' keys.

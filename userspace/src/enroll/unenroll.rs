@@ -41,7 +41,7 @@ pub struct Recorded<'a> {
 }
 
 /// Deleted, or already gone: `Ok(true)` / `Ok(false)`.
-fn deleted(map: &'static str, result: Result<(), MapError>) -> Result<bool, MapsError> {
+pub(super) fn deleted(map: &'static str, result: Result<(), MapError>) -> Result<bool, MapsError> {
     match result {
         Ok(()) => Ok(true),
         Err(MapError::KeyNotFound) => Ok(false),
@@ -55,10 +55,10 @@ fn deleted(map: &'static str, result: Result<(), MapError>) -> Result<bool, Maps
 
 /// Keeps the first error of a sequence of deletions that goes on after one fails.
 #[derive(Default)]
-struct FirstError(Option<MapsError>);
+pub(super) struct FirstError(Option<MapsError>);
 
 impl FirstError {
-    fn note<T>(&mut self, r: Result<T, MapsError>) {
+    pub(super) fn note<T>(&mut self, r: Result<T, MapsError>) {
         if let Err(e) = r
             && self.0.is_none()
         {
@@ -66,7 +66,7 @@ impl FirstError {
         }
     }
 
-    fn into_result(self) -> Result<(), MapsError> {
+    pub(super) fn into_result(self) -> Result<(), MapsError> {
         self.0.map_or(Ok(()), Err)
     }
 }
@@ -262,6 +262,9 @@ pub fn unenroll_recorded(
         return unenroll_cookie(maps, netns_cookie);
     }
     let was_enrolled = remove_pod_entry(maps, netns_cookie)?;
+    // After the pod entry (a follower that sets the flag later sees the pod gone and undoes its
+    // writes itself), before remove_rules drops the source entry that holds it.
+    let followed_routes = source::flagged_routes(maps, netns_cookie);
     let mut first = FirstError::default();
     remove_rules(
         maps,
@@ -287,6 +290,11 @@ pub fn unenroll_recorded(
     );
     if let Some(keys) = recorded.netns_keys {
         remove_netns_keys(maps, netns_cookie, keys, &mut first);
+    }
+    // The follower writes routes of interfaces attached after the ADD, which no record names;
+    // only a pod flagged as having routes pays for the scan.
+    if followed_routes {
+        remove_source_routes(maps, netns_cookie, |_| true, &mut first);
     }
     match recorded.inbound_ifindexes {
         Some(ifindexes) => {
