@@ -125,20 +125,56 @@ pub(super) fn write_routes(
     routes: &[SourceRoute],
     was_enrolled: bool,
 ) -> Result<(), MapsError> {
-    let wanted: Vec<(u32, CidrKey)> = routes.iter().filter_map(|r| r.key(netns_cookie)).collect();
-    for (route, (bits, data)) in routes.iter().zip(&wanted) {
-        maps.source_routes
-            .insert(&Key::new(*bits, *data), address_words(&route.source), 0)
-            .map_err(|e| classify(map_names::SOURCE_ROUTES, 0, e))?;
-    }
-    if was_enrolled {
-        for (bits, data) in scan(maps, netns_cookie, |_| true) {
-            if !wanted.contains(&(bits, data)) {
-                let _ = maps.source_routes.remove(&Key::new(bits, data));
-            }
+    let existing = if was_enrolled {
+        scan_entries(maps, netns_cookie)
+    } else {
+        Vec::new()
+    };
+    // A stale route left behind only costs a lookup that the pod's other routes would answer.
+    sync_routes(maps, netns_cookie, routes, &existing).map(drop)
+}
+
+/// What [`sync_routes`] did: the routes written, and each stale key's removal.
+struct RoutesSynced {
+    written: Vec<SourceRoute>,
+    removals: Vec<Result<bool, MapsError>>,
+}
+
+/// Makes the pod's `SIDESTEP_SRCR` entries `wanted`, given the `existing` ones: writes the routes
+/// that are new or have another source, then removes the keys no longer wanted.
+fn sync_routes(
+    maps: &mut PolicyMaps,
+    netns_cookie: u64,
+    wanted: &[SourceRoute],
+    existing: &[((u32, CidrKey), [u32; 4])],
+) -> Result<RoutesSynced, MapsError> {
+    let mut wanted_keys = Vec::with_capacity(wanted.len());
+    let mut written = Vec::new();
+    for route in wanted {
+        let Some(key) = route.key(netns_cookie) else {
+            continue;
+        };
+        wanted_keys.push(key);
+        let source = address_words(&route.source);
+        if existing.contains(&(key, source)) {
+            continue;
         }
+        maps.source_routes
+            .insert(&Key::new(key.0, key.1), source, 0)
+            .map_err(|e| classify(map_names::SOURCE_ROUTES, 0, e))?;
+        written.push(route.clone());
     }
-    Ok(())
+    let removals = existing
+        .iter()
+        .filter(|(key, _)| !wanted_keys.contains(key))
+        .map(|(key, _)| {
+            deleted(
+                map_names::SOURCE_ROUTES,
+                maps.source_routes.remove(&Key::new(key.0, key.1)),
+            )
+        })
+        .collect();
+    Ok(RoutesSynced { written, removals })
 }
 
 /// The pod's `SIDESTEP_SRCR` keys whose source `keep` accepts.
@@ -208,22 +244,18 @@ pub(crate) fn follow(
             changes.gained.push(words_address(&now));
         }
     }
-    let had_routes = had.flags & pod_source_flags::ROUTES != 0;
     // Only a flagged pod has routes: an unflagged one costs no scan of the trie.
-    let existing = if had_routes {
+    let existing = if had.flags & pod_source_flags::ROUTES != 0 {
         scan_entries(maps, netns_cookie)
     } else {
         Vec::new()
     };
-    // A flagged pod whose lookup misses leaves from its primary address, as an unflagged one.
+    // A flagged pod whose lookup misses leaves from its primary address, as an unflagged one,
+    // so the flag stays on until the routes are gone.
     let flagged = entry(primary, &wanted);
-    let during = if had_routes {
-        PodSource {
-            flags: pod_source_flags::ROUTES,
-            ..flagged
-        }
-    } else {
-        flagged
+    let during = PodSource {
+        flags: flagged.flags | had.flags & pod_source_flags::ROUTES,
+        ..flagged
     };
     let write_entry = |maps: &mut PolicyMaps, entry: PodSource| {
         if current == Some(entry) || entry == PodSource::default() {
@@ -234,33 +266,14 @@ pub(crate) fn follow(
             .map_err(|e| classify(map_names::SOURCE_ADDRESSES, 0, e))
     };
     write_entry(maps, during)?;
-    let mut wanted_keys = Vec::with_capacity(wanted.len());
-    for route in &wanted {
-        let Some(key) = route.key(netns_cookie) else {
-            continue;
-        };
-        wanted_keys.push(key);
-        let source = address_words(&route.source);
-        if existing.contains(&(key, source)) {
-            continue;
-        }
-        maps.source_routes
-            .insert(&Key::new(key.0, key.1), source, 0)
-            .map_err(|e| classify(map_names::SOURCE_ROUTES, 0, e))?;
-        changes.routes_written.push(route.clone());
-    }
+    let synced = sync_routes(maps, netns_cookie, &wanted, &existing)?;
+    changes.routes_written = synced.written;
     let mut first = FirstError::default();
-    for (key, _) in existing {
-        if !wanted_keys.contains(&key) {
-            let removed = deleted(
-                map_names::SOURCE_ROUTES,
-                maps.source_routes.remove(&Key::new(key.0, key.1)),
-            );
-            if let Ok(true) = removed {
-                changes.routes_removed += 1;
-            }
-            first.note(removed);
+    for removed in synced.removals {
+        if let Ok(true) = removed {
+            changes.routes_removed += 1;
         }
+        first.note(removed);
     }
     first.into_result()?;
     if during != flagged {
