@@ -203,6 +203,23 @@ fn an_interface_attached_after_the_add_gives_its_routes_their_source() -> Result
         "10.88.1.1 is routed through eth0 again"
     );
 
+    // Root in the pod (CAP_NET_ADMIN) adds more routes through net1 than the follower writes:
+    // the trie, shared by every pod of the node, takes at most the cap from this one.
+    for i in 0..100 {
+        pod.ip(&["route", "add", &format!("10.100.{i}.0/24"), "dev", "net1"])?;
+    }
+    // userspace/src/enroll/source.rs, MAX_FOLLOWED_ROUTES (this crate does not link the agent).
+    let cap = 64;
+    wait_until("the capped routes followed", bound, || {
+        Ok(source_routes()? == cap && agent.log().contains("than are followed"))
+    })
+    .with_context(|| agent.log())?;
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(
+        source_routes()? == cap,
+        "more than {cap} source routes of one pod"
+    );
+
     drop(outbound);
     node.remove_pod(&pod)?;
     // No record names the follower's routes; the DEL finds them by the pod's routes flag.

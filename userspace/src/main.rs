@@ -454,10 +454,11 @@ fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
                         .map(|r| format!("{}/{} from {}", r.destination, r.prefix_len, r.source))
                         .collect();
                     println!(
-                        "{}: source gained {:?}, routes written {written:?}, {} removed",
+                        "{}: source gained {:?}, routes written {written:?}, {} removed, {} left out",
                         f.path().display(),
                         source.gained,
-                        source.routes_removed
+                        source.routes_removed,
+                        source.routes_left_out
                     );
                 }
                 for (ip, owner) in &s.held_by_others {

@@ -68,6 +68,15 @@ fn run(agent: &Agent) {
                         "the source of the pod's captured connections follows its netns"
                     );
                 }
+                if source.routes_left_out > 0 {
+                    tracing::warn!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        left_out = source.routes_left_out,
+                        max = crate::enroll::source::MAX_FOLLOWED_ROUTES,
+                        "the pod has more routes through its other interfaces than are followed; connections to the rest leave from its primary address"
+                    );
+                }
                 counters.late_source_routes.fetch_add(
                     (source.routes_written.len() + source.routes_removed) as u64,
                     Ordering::Relaxed,

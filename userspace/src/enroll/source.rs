@@ -201,6 +201,12 @@ fn scan_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<((u32, CidrKey), [u
         .collect()
 }
 
+/// The most source routes [`follow`] writes for one pod. The routes come from the pod netns, where
+/// an app with CAP_NET_ADMIN can add thousands, and `SIDESTEP_SRCR` is shared by every pod of the
+/// node: a full trie would fail other pods' ADDs. A route left out only costs its destinations
+/// REDIRECT's source (they leave from the primary address); capture does not depend on it.
+pub const MAX_FOLLOWED_ROUTES: usize = 64;
+
 /// What [`follow`] changed of an enrolled pod's source entries.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SourceChanges {
@@ -210,11 +216,16 @@ pub struct SourceChanges {
     pub routes_written: Vec<SourceRoute>,
     /// Routes that no longer exist, removed.
     pub routes_removed: usize,
+    /// Routes of the netns beyond [`MAX_FOLLOWED_ROUTES`], not written.
+    pub routes_left_out: usize,
 }
 
 impl SourceChanges {
     pub fn changed(&self) -> bool {
-        !self.gained.is_empty() || !self.routes_written.is_empty() || self.routes_removed > 0
+        !self.gained.is_empty()
+            || !self.routes_written.is_empty()
+            || self.routes_removed > 0
+            || self.routes_left_out > 0
     }
 }
 
@@ -237,8 +248,12 @@ pub(crate) fn follow(
     };
     let had = current.unwrap_or_default();
     let primary = primary(PodSource::default(), facts, current);
-    let wanted = routes(facts, &primary);
-    let mut changes = SourceChanges::default();
+    let mut wanted = routes(facts, &primary);
+    let mut changes = SourceChanges {
+        routes_left_out: wanted.len().saturating_sub(MAX_FOLLOWED_ROUTES),
+        ..SourceChanges::default()
+    };
+    wanted.truncate(MAX_FOLLOWED_ROUTES);
     for (was, now) in [(had.addr4, primary.addr4), (had.addr6, primary.addr6)] {
         if was == [0; 4] && now != [0; 4] {
             changes.gained.push(words_address(&now));
