@@ -38,6 +38,17 @@ fn recorder(
     Ok(child)
 }
 
+/// The entries of a map of the test's pin root.
+fn map_entries(env: &TestEnv, map: &str) -> Result<Vec<Value>> {
+    let pin = env.pin_root().join("maps").join(map);
+    Ok(
+        sidestep_tests::faults::bpftool(&["map", "dump", "pinned", &pin.display().to_string()])?
+            .as_array()
+            .cloned()
+            .unwrap_or_default(),
+    )
+}
+
 #[test]
 fn addresses_added_after_the_add_are_the_pods_own() -> Result<()> {
     if skip_unless_root("addresses_added_after_the_add_are_the_pods_own") {
@@ -142,19 +153,7 @@ fn an_interface_attached_after_the_add_gives_its_routes_their_source() -> Result
         Ok(peer.ip().to_string())
     };
     // The pod's entries of a map of the test's pin root (the only pod there).
-    let entries =
-        |map: &str| -> Result<Vec<Value>> {
-            let pin = env.pin_root().join("maps").join(map);
-            Ok(sidestep_tests::faults::bpftool(&[
-                "map",
-                "dump",
-                "pinned",
-                &pin.display().to_string(),
-            ])?
-            .as_array()
-            .cloned()
-            .unwrap_or_default())
-        };
+    let entries = |map: &str| map_entries(&env, map);
     let source_routes = || entries("SIDESTEP_SRCR").map(|e| e.len());
     let eth0 = pod.ipv4.to_string();
     ensure!(source_of("10.77.0.9:8080")? == eth0, "before net1");
@@ -227,6 +226,101 @@ fn an_interface_attached_after_the_add_gives_its_routes_their_source() -> Result
         Ok(source_routes()? == 0 && entries("SIDESTEP_SRC")?.is_empty())
     })
     .with_context(|| format!("left: {:?}", entries("SIDESTEP_SRCR")))?;
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}
+
+/// Root in a pod (CAP_NET_ADMIN) adds more addresses than the node's address map holds for all
+/// of its pods. The follower registers at most the per-pod cap of them, so the next pod's ADD on
+/// the node still succeeds, and an address left out fails closed: the app calling it is captured
+/// to 15001 (Istio would leave the pod's call to itself alone; it never passes uncaptured).
+#[test]
+fn a_pod_flooding_its_netns_with_addresses_does_not_fill_the_nodes_map() -> Result<()> {
+    if skip_unless_root("a_pod_flooding_its_netns_with_addresses_does_not_fill_the_nodes_map") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-addrflood")?;
+    let d = Dirs::new(&env)?;
+    let (agent, node) = d.ready_agent_and_node(&env)?;
+    let pod = node.add_pod_with("flood", meshed())?;
+    let outbound = recorder(&env, &pod, 15001, PROXY_UID)?;
+    let pod_cookie = || -> Result<Value> {
+        let all = map_entries(&env, "SIDESTEP_ADDRS")?;
+        all.iter()
+            .find(|e| e["formatted"]["value"].is_u64())
+            .map(|e| e["formatted"]["value"].clone())
+            .context("the pod has no address entry")
+    };
+    let cookie = pod_cookie()?;
+    let held = || -> Result<Vec<Value>> {
+        Ok(map_entries(&env, "SIDESTEP_ADDRS")?
+            .into_iter()
+            .filter(|e| e["formatted"]["value"] == cookie)
+            .collect())
+    };
+
+    // ebpf/sidestep-abi, capacity::ADDRESSES: the node-wide map (this crate does not link it).
+    let node_capacity = 16_384;
+    let flood = env.tmp_dir().join("flood.batch");
+    let lines: String = (0..node_capacity + 16)
+        .map(|i| {
+            format!(
+                "addr add 10.{}.{}.{}/32 dev eth0\n",
+                200 + i / 65_536,
+                (i / 256) % 256,
+                i % 256
+            )
+        })
+        .collect();
+    std::fs::write(&flood, lines)?;
+    pod.ip(&["-batch", &flood.display().to_string()])?;
+
+    // userspace/src/enroll/addresses.rs, MAX_POD_ADDRESSES.
+    let cap = 64;
+    let bound = sidestep_tests::scaled(Duration::from_secs(30));
+    wait_until("the capped addresses followed", bound, || {
+        Ok(held()?.len() == cap && agent.log().contains("more addresses than are registered"))
+    })
+    .with_context(|| agent.log())?;
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(held()?.len() == cap, "more than {cap} addresses of one pod");
+
+    // Another pod's ADD on the same node.
+    let next = node
+        .add_pod_with("after-flood", meshed())
+        .context("a pod's ADD after the flood")?;
+
+    // An address the follower left out: the app calling it reaches the proxy, not itself.
+    // The last key word of an IPv4-mapped address: its octets in memory order.
+    let registered: Vec<u64> = held()?
+        .iter()
+        .filter_map(|e| e["formatted"]["key"][3].as_u64())
+        .collect();
+    let left_out = (0..=255)
+        .map(|i| std::net::Ipv4Addr::new(10, 200, 0, i))
+        .find(|ip| !registered.contains(&u64::from(u32::from_ne_bytes(ip.octets()))))
+        .context("every flooded address of 10.200.0.0/24 is registered")?;
+    let before = outbound.stdout().lines().count();
+    let out = pod.run(
+        &env,
+        APP_UID,
+        &[probe(), "connect", &format!("{left_out}:8080")],
+    )?;
+    ensure!(
+        out.status.success(),
+        "connect to {left_out}:8080: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until("the proxy's accept", Duration::from_secs(2), || {
+        Ok(outbound.stdout().lines().count() > before)
+    })
+    .with_context(|| format!("{left_out} was not captured"))?;
+
+    drop(outbound);
+    node.remove_pod(&next)?;
+    node.remove_pod(&pod)?;
+    wait_until("the DEL's cleanup", bound, || Ok(held()?.is_empty()))
+        .with_context(|| format!("left: {:?}", held()))?;
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }

@@ -34,7 +34,7 @@ use std::{
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 use crate::{
-    enroll::source::SourceChanges,
+    enroll::{MAX_POD_ADDRESSES, source::SourceChanges},
     error::{MapsError, NetnsError},
     maps::PolicyMaps,
     netns::Netns,
@@ -64,6 +64,8 @@ pub struct Synced {
     pub removed: Vec<IpAddr>,
     /// Addresses of the netns that another live pod holds in the map (left to it).
     pub held_by_others: Vec<(IpAddr, u64)>,
+    /// Addresses of the netns beyond [`MAX_POD_ADDRESSES`], not written.
+    pub left_out: usize,
     /// The netns is not enrolled (any more, or not yet): nothing of it is in the map.
     pub unenrolled: bool,
     /// The source its captured connections leave from ([`crate::enroll::source::follow`]).
@@ -146,8 +148,9 @@ impl AddressFollower {
     }
 
     /// Makes `SIDESTEP_ADDRS` hold every address the netns has now (lo's aside: the programs
-    /// know loopback themselves), for this pod, and drops the entries this follower added for
-    /// addresses the netns no longer has.
+    /// know loopback themselves), for this pod, up to [`MAX_POD_ADDRESSES`] of them, and drops
+    /// the entries this follower added for addresses the netns no longer has. (Enrolment's entries
+    /// for addresses since gone stay until the DEL: one pod holds at most twice the cap.)
     pub fn sync(&mut self, maps: &mut PolicyMaps) -> Result<Synced, FollowError> {
         let mut synced = Synced::default();
         if !maps.is_enrolled(self.cookie)? {
@@ -161,27 +164,34 @@ impl AddressFollower {
             .iter()
             .map(|(_, ip)| address_words(ip))
             .collect();
-        for words in &now {
-            match maps.addresses.get(words, 0) {
-                Ok(owner) if owner == self.cookie => continue,
-                Ok(owner) if maps.is_enrolled(owner)? => {
-                    synced.held_by_others.push((words_address(words), owner));
-                    continue;
-                }
-                _ => {}
-            }
-            maps.addresses
-                .insert(words, self.cookie, 0)
-                .map_err(|e| crate::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e))?;
-            self.added.insert(*words);
-            synced.added.push(words_address(words));
-        }
+        // Removals first: the room they free counts toward this sync's additions.
         let gone: Vec<[u32; 4]> = self.added.difference(&now).copied().collect();
         for words in gone {
             if self.remove_own(maps, &words)? {
                 synced.removed.push(words_address(&words));
             }
             self.added.remove(&words);
+        }
+        let mut new = Vec::new();
+        let mut held = 0;
+        for words in &now {
+            match maps.addresses.get(words, 0) {
+                Ok(owner) if owner == self.cookie => held += 1,
+                Ok(owner) if maps.is_enrolled(owner)? => {
+                    synced.held_by_others.push((words_address(words), owner));
+                }
+                _ => new.push(*words),
+            }
+        }
+        let room = MAX_POD_ADDRESSES.saturating_sub(held);
+        synced.left_out = new.len().saturating_sub(room);
+        new.truncate(room);
+        for words in &new {
+            maps.addresses
+                .insert(words, self.cookie, 0)
+                .map_err(|e| crate::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e))?;
+            self.added.insert(*words);
+            synced.added.push(words_address(words));
         }
         synced.source = crate::enroll::source::follow(maps, self.cookie, &facts)?;
         Ok(synced)

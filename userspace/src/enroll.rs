@@ -8,6 +8,7 @@
 //! the cookie (the safety net, for callers that do not know what was written), and by deleting
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
+mod addresses;
 pub(crate) mod facts;
 pub mod hook;
 mod passthrough;
@@ -16,6 +17,8 @@ mod unenroll;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};
 
+pub use addresses::MAX_POD_ADDRESSES;
+use addresses::keep_within;
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
 use sidestep_abi::{
@@ -262,6 +265,17 @@ fn netns_keys(
                 interface_addresses.push(ip);
             }
         }
+    }
+    let room = MAX_POD_ADDRESSES.saturating_sub(entries.addresses.len());
+    let left_out = keep_within(&mut addresses, &interface_addresses, room);
+    if left_out > 0 {
+        tracing::warn!(
+            netns_cookie,
+            left_out,
+            max = MAX_POD_ADDRESSES,
+            "the netns has more addresses than are registered for one pod; connections to the \
+             rest are captured as outbound"
+        );
     }
     let ifindexes =
         |names: &[String]| -> Vec<u32> { names.iter().filter_map(|n| facts.ifindex(n)).collect() };

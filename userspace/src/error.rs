@@ -130,8 +130,15 @@ pub enum MapsError {
     },
     #[error("cannot size per-CPU values: {0}")]
     Cpus(String),
-    #[error("map {map} is full ({capacity} entries); unenrol pods or load with a larger capacity")]
-    Full { map: &'static str, capacity: u32 },
+    #[error(
+        "map {map} is full{}; unenrol pods or load with a larger capacity",
+        entries_note(*capacity)
+    )]
+    Full {
+        map: &'static str,
+        /// Its max_entries, or 0 where the caller did not look it up.
+        capacity: u32,
+    },
     #[error(
         "pod address {address} is registered to another enrolled pod (netns cookie {owner}); \
          refusing to take it over (its DEL or the agent's GC releases it)"
@@ -205,4 +212,12 @@ pub enum EnrollError {
         "sk_msg cannot be enabled on this kernel: {0}. Without them it could not bound what it queues on the proxy's socket; enrol without --sk-msg (sidestep.io/sk-msg)"
     )]
     SkMsgUnsupported(String),
+}
+
+fn entries_note(capacity: u32) -> String {
+    if capacity == 0 {
+        String::new()
+    } else {
+        format!(" ({capacity} entries)")
+    }
 }

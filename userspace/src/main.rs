@@ -440,10 +440,11 @@ fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
             FollowEvent::Synced(f, s) => {
                 if !s.added.is_empty() || !s.removed.is_empty() {
                     println!(
-                        "{}: added {:?}, removed {:?}",
+                        "{}: added {:?}, removed {:?}, {} left out",
                         f.path().display(),
                         s.added,
-                        s.removed
+                        s.removed,
+                        s.left_out
                     );
                 }
                 let source = &s.source;

@@ -68,6 +68,15 @@ fn run(agent: &Agent) {
                         "the source of the pod's captured connections follows its netns"
                     );
                 }
+                if synced.left_out > 0 {
+                    tracing::warn!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        left_out = synced.left_out,
+                        max = crate::enroll::MAX_POD_ADDRESSES,
+                        "the pod has more addresses than are registered for one pod; connections to the rest are captured as outbound"
+                    );
+                }
                 if source.routes_left_out > 0 {
                     tracing::warn!(
                         netns = %f.path().display(),
