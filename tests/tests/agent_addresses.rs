@@ -324,3 +324,58 @@ fn a_pod_flooding_its_netns_with_addresses_does_not_fill_the_nodes_map() -> Resu
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }
+
+/// Root in a pod adds and removes an address in a tight loop. The follower, one thread for every
+/// pod of the node, reads that netns at most once per 100 ms however fast the changes come, and
+/// still ends on the netns's last state.
+#[test]
+fn address_churn_in_a_pod_is_read_at_a_bounded_rate() -> Result<()> {
+    if skip_unless_root("address_churn_in_a_pod_is_read_at_a_bounded_rate") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-addrchurn")?;
+    let d = Dirs::new(&env)?;
+    let (agent, node) = d.ready_agent_and_node(&env)?;
+    let pod = node.add_pod_with("churn", meshed())?;
+    let syncs = || agent.metric("sidestep_address_syncs_total");
+    wait_until(
+        "the pod followed",
+        sidestep_tests::scaled(Duration::from_secs(3)),
+        || Ok(syncs()? >= 1.0),
+    )
+    .with_context(|| agent.log())?;
+    let before = syncs()?;
+
+    let churn = env.tmp_dir().join("churn.batch");
+    let mut lines = String::new();
+    for _ in 0..20_000 {
+        lines.push_str("addr add 10.201.0.1/32 dev eth0\naddr del 10.201.0.1/32 dev eth0\n");
+    }
+    std::fs::write(&churn, lines)?;
+    // Long enough, on any machine, to tell a bound from none.
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(1) {
+        pod.ip(&["-batch", &churn.display().to_string()])?;
+    }
+    pod.ip(&["addr", "add", "10.201.0.1/32", "dev", "eth0"])?;
+    let churned = started.elapsed();
+
+    // The last state, an address present, is followed once the changes stop.
+    wait_until("the last add followed", Duration::from_secs(2), || {
+        Ok(map_entries(&env, "SIDESTEP_ADDRS")?.iter().any(|e| {
+            e["formatted"]["key"][3].as_u64()
+                == Some(u64::from(u32::from_ne_bytes([10, 201, 0, 1])))
+        }))
+    })
+    .with_context(|| agent.log())?;
+    let read = syncs()? - before;
+    // userspace/src/addrfollow.rs, MIN_SYNC_INTERVAL; the bound allows the sync at either end.
+    let allowed = (churned.as_secs_f64() + 0.1) / 0.1 + 2.0;
+    ensure!(
+        read <= allowed,
+        "{read} reads of the netns in {churned:?} of churn (at most {allowed:.0} at one per 100 ms)"
+    );
+    node.remove_pod(&pod)?;
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}

@@ -28,7 +28,7 @@ use std::{
     net::IpAddr,
     os::fd::{AsFd, BorrowedFd},
     path::{Path, PathBuf},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
@@ -44,6 +44,12 @@ use crate::{
 /// `RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE`
 /// (linux/rtnetlink.h): routes decide the source of a multi-homed pod's connections.
 const SUBSCRIBED_GROUPS: u32 = 0x10 | 0x100 | 0x40 | 0x400;
+
+/// The shortest time between two syncs of one pod. Root in a pod can add and remove addresses in
+/// a loop; each change would make the follower read the whole netns again, on the one thread
+/// that follows every pod of the node. Changes within the interval are read together at its end
+/// (the pod's socket is not polled meanwhile: an overrun only means "changed").
+pub const MIN_SYNC_INTERVAL: Duration = Duration::from_millis(100);
 
 #[derive(Debug, thiserror::Error)]
 pub enum FollowError {
@@ -84,6 +90,9 @@ pub struct AddressFollower {
     cookie: u64,
     socket: Socket,
     added: BTreeSet<[u32; 4]>,
+    last_sync: Option<Instant>,
+    /// Notifications arrived that no sync has read yet.
+    pending: bool,
 }
 
 impl AddressFollower {
@@ -110,6 +119,8 @@ impl AddressFollower {
             cookie,
             socket,
             added: BTreeSet::new(),
+            last_sync: None,
+            pending: false,
         })
     }
 
@@ -152,6 +163,8 @@ impl AddressFollower {
     /// the entries this follower added for addresses the netns no longer has. (Enrolment's entries
     /// for addresses since gone stay until the DEL: one pod holds at most twice the cap.)
     pub fn sync(&mut self, maps: &mut PolicyMaps) -> Result<Synced, FollowError> {
+        self.last_sync = Some(Instant::now());
+        self.pending = false;
         let mut synced = Synced::default();
         if !maps.is_enrolled(self.cookie)? {
             synced.removed = self.release(maps)?;
@@ -206,6 +219,12 @@ impl AddressFollower {
             }
         }
         Ok(removed)
+    }
+
+    /// When the next sync may run.
+    fn due(&self) -> Instant {
+        self.last_sync
+            .map_or_else(Instant::now, |at| at + MIN_SYNC_INTERVAL)
     }
 
     fn remove_own(&self, maps: &mut PolicyMaps, words: &[u32; 4]) -> Result<bool, FollowError> {
@@ -300,18 +319,28 @@ pub fn follow(
                 }
             }
         }
-        let ready = wait_readable(&followers, refresh);
-        for path in ready {
+        let now = Instant::now();
+        let wait = followers
+            .values()
+            .filter(|f| f.pending)
+            .map(|f| f.due().saturating_duration_since(now))
+            .fold(refresh, Duration::min);
+        for path in wait_readable(&followers, wait) {
             let Some(f) = followers.get_mut(&path) else {
                 continue;
             };
             match f.drain() {
-                Ok(true) => sync_one(f, maps.as_mut(), &mut on),
-                Ok(false) => {}
+                Ok(any) => f.pending |= any,
                 Err(error) => on(FollowEvent::Failed {
                     path: &path,
                     error: &error,
                 }),
+            }
+        }
+        let now = Instant::now();
+        for f in followers.values_mut() {
+            if f.pending && f.due() <= now {
+                sync_one(f, maps.as_mut(), &mut on);
             }
         }
     }
@@ -349,18 +378,25 @@ fn wait_readable(
         std::thread::sleep(timeout);
         return Vec::new();
     }
-    let mut fds: Vec<PollFd<'_>> = followers
-        .values()
-        .map(|f| PollFd::new(f.fd(), PollFlags::POLLIN))
+    // A follower with a sync pending is not polled: it would wake this loop until its sync.
+    let polled: Vec<(&PathBuf, &AddressFollower)> =
+        followers.iter().filter(|(_, f)| !f.pending).collect();
+    if polled.is_empty() {
+        std::thread::sleep(timeout);
+        return Vec::new();
+    }
+    let mut fds: Vec<PollFd<'_>> = polled
+        .iter()
+        .map(|(_, f)| PollFd::new(f.fd(), PollFlags::POLLIN))
         .collect();
     let timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
     if !matches!(poll(&mut fds, timeout), Ok(n) if n > 0) {
         return Vec::new();
     }
-    followers
-        .keys()
+    polled
+        .iter()
         .zip(&fds)
         .filter(|(_, p)| p.revents().is_some_and(|r| !r.is_empty()))
-        .map(|(path, _)| path.clone())
+        .map(|((path, _), _)| (*path).clone())
         .collect()
 }

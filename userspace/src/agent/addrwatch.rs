@@ -48,6 +48,7 @@ fn run(agent: &Agent) {
                 tracing::debug!(netns = %f.path().display(), netns_cookie = f.cookie(), "following the pod's addresses");
             }
             FollowEvent::Synced(f, synced) => {
+                counters.address_syncs.fetch_add(1, Ordering::Relaxed);
                 if !synced.added.is_empty() || !synced.removed.is_empty() {
                     tracing::info!(
                         netns = %f.path().display(),

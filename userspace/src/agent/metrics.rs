@@ -61,6 +61,8 @@ pub struct AgentCounters {
     pub late_addresses_removed: AtomicU64,
     /// Source routes (`SIDESTEP_SRCR`) written or removed after enrolment.
     pub late_source_routes: AtomicU64,
+    /// The address follower's reads of a pod netns (one per burst of changes, rate-limited).
+    pub address_syncs: AtomicU64,
     /// The readiness taint is off this node (`readiness-taint`).
     pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
@@ -346,6 +348,11 @@ pub fn render(
             "sidestep_late_source_routes",
             "Source routes of multi-homed pods written or removed after enrolment (an interface attached after the ADD, a route changed)",
             &counters.late_source_routes,
+        ),
+        (
+            "sidestep_address_syncs",
+            "Reads of a pod netns by the address follower, one per burst of address or route changes (at most 10 a second per pod)",
+            &counters.address_syncs,
         ),
         (
             "sidestep_reconcile_errors",
