@@ -184,3 +184,86 @@ fn bpftool(args: &[&str]) -> Result<Value> {
     }
     Ok(serde_json::from_slice(&out.stdout)?)
 }
+
+/// `sidestep status` on a full node: 4,000 pods with two captured interfaces each, written
+/// straight into the maps (status only reads them). It scans the interface map once, not once
+/// per pod (pods x entries syscalls took minutes), so it answers within seconds.
+#[test]
+fn status_of_a_full_node_answers_in_seconds() -> Result<()> {
+    if skip_unless_root("status_of_a_full_node_answers_in_seconds") {
+        return Ok(());
+    }
+    let env = TestEnv::new("status-scale")?;
+    let loaded = Loaded::load(&env)?;
+    let maps = env.pin_root().join("maps");
+    let size = |map: &str| -> Result<usize> {
+        let path = maps.join(map).display().to_string();
+        let shown = bpftool(&["map", "show", "pinned", &path, "--json"])?;
+        Ok(shown["bytes_value"].as_u64().unwrap_or(0) as usize)
+    };
+    let zeros = |n: usize| vec!["00"; n].join(" ");
+    let hex = |bytes: &[u8]| {
+        bytes
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (pod_value, iface_value) = (
+        zeros(size("SIDESTEP_POD")?),
+        zeros(size("SIDESTEP_IFACES")?),
+    );
+    let pods = 4000u64;
+    let mut batch = String::new();
+    for i in 0..pods {
+        // Far from any real netns cookie.
+        let cookie = (1u64 << 40) + i;
+        batch.push_str(&format!(
+            "map update pinned {} key hex {} value hex {pod_value}\n",
+            maps.join("SIDESTEP_POD").display(),
+            hex(&cookie.to_ne_bytes())
+        ));
+        for ifindex in [2u32, 3] {
+            let key: Vec<u8> =
+                [&cookie.to_ne_bytes()[..], &ifindex.to_ne_bytes(), &[0; 4]].concat();
+            batch.push_str(&format!(
+                "map update pinned {} key hex {} value hex {iface_value}\n",
+                maps.join("SIDESTEP_IFACES").display(),
+                hex(&key)
+            ));
+        }
+    }
+    let file = env.tmp_dir().join("full-node.batch");
+    std::fs::write(&file, batch)?;
+    let filled = std::process::Command::new("bpftool")
+        .args(["batch", "file", &file.display().to_string()])
+        .output()?;
+    ensure!(
+        filled.status.success(),
+        "bpftool batch: {}",
+        String::from_utf8_lossy(&filled.stderr)
+    );
+
+    let root = env.pin_root().display().to_string();
+    let started = std::time::Instant::now();
+    let out = sidestep(&["status", "--pin-root", &root, "--json"])?;
+    let took = started.elapsed();
+    let status: Value = serde_json::from_slice(&out.stdout)?;
+    let listed = status["pods"].as_array().map_or(0, Vec::len);
+    ensure!(
+        listed as u64 == pods,
+        "status lists {listed} pods of {pods}"
+    );
+    ensure!(
+        status["pods"][0]["inbound_ifindexes"] == serde_json::json!([2, 3]),
+        "{}",
+        status["pods"][0]
+    );
+    let bound = sidestep_tests::scaled(std::time::Duration::from_secs(10));
+    ensure!(
+        took < bound,
+        "sidestep status of {pods} pods took {took:?} (bound {bound:?})"
+    );
+    loaded.unload()?;
+    Ok(())
+}

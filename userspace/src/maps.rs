@@ -202,18 +202,21 @@ impl PolicyMaps {
         self.pods.iter().filter_map(Result::ok).collect()
     }
 
-    /// The ifindexes (inside the pod) of the interfaces whose inbound connections are captured.
-    /// A scan of the interface map: for `status`, never for ADD or DEL.
-    pub fn inbound_ifindexes(&self, netns_cookie: u64) -> Vec<u32> {
-        let mut v: Vec<u32> = self
-            .interfaces
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.netns_cookie == netns_cookie)
-            .map(|k| k.ifindex)
-            .collect();
-        v.sort_unstable();
-        v
+    /// Every pod's ifindexes (inside the pod) of the interfaces whose inbound connections are
+    /// captured, from one scan of the interface map (one per pod would cost pods x entries
+    /// syscalls: minutes for `sidestep status` on a full node). For `status`, never for ADD or DEL.
+    pub fn inbound_ifindexes_by_pod(&self) -> std::collections::HashMap<u64, Vec<u32>> {
+        let mut by_pod: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+        for key in self.interfaces.keys().filter_map(Result::ok) {
+            by_pod
+                .entry(key.netns_cookie)
+                .or_default()
+                .push(key.ifindex);
+        }
+        for ifindexes in by_pod.values_mut() {
+            ifindexes.sort_unstable();
+        }
+        by_pod
     }
 
     /// Whether the cookie has a pod entry.

@@ -276,6 +276,7 @@ pub fn collect(pin_root: &Path) -> Status {
         .collect();
     let (pods, pod_capacity) = match PolicyMaps::open(pin_root) {
         Ok(maps) => {
+            let mut ifindexes = maps.inbound_ifindexes_by_pod();
             let pods = maps
                 .pods()
                 .into_iter()
@@ -289,7 +290,7 @@ pub fn collect(pin_root: &Path) -> Status {
                         InboundHook::Tc.as_str()
                     },
                     interfaces: crate::tc::attached_interfaces(&layout, cookie),
-                    inbound_ifindexes: maps.inbound_ifindexes(cookie),
+                    inbound_ifindexes: ifindexes.remove(&cookie).unwrap_or_default(),
                     rerouted: rerouted_interfaces(&layout, cookie),
                     source_addresses: maps.source_addresses(cookie),
                     policy: summarize_policy(&policy),

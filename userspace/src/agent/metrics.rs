@@ -162,7 +162,8 @@ pub struct DataPath {
 
 impl DataPath {
     /// One walk of the pod map (a per-CPU lookup per pod) and of the plugin's records. Not
-    /// `status::collect`, which also scans the interface map once per pod for `sidestep status`.
+    /// `status::collect`, which also scans the interface map and the pin directories for
+    /// `sidestep status`.
     pub fn collect(pin_root: &Path, state_dir: &Path) -> Self {
         let layout = PinLayout::new(pin_root);
         let by_cookie: BTreeMap<u64, pods::Record> = pods::records(state_dir)
