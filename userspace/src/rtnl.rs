@@ -45,41 +45,28 @@ impl Rtnl {
             flags |= NLM_F_CREATE | NLM_F_EXCL;
         }
         self.send(message, flags)?;
-        let mut reply = vec![0; 8192];
-        loop {
-            let n = self.socket.recv(&mut &mut reply[..], 0)?;
-            let mut offset = 0;
-            while offset < n {
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-                let len = msg.header.length as usize;
-                if msg.header.sequence_number == self.seq
-                    && let NetlinkPayload::Error(err) = msg.payload
-                {
-                    return match err.code {
-                        None => Ok(()),
-                        Some(code) => {
-                            let errno = -code.get();
-                            let benign = if add {
-                                errno == libc::EEXIST
-                            } else {
-                                errno == libc::ENOENT || errno == libc::ESRCH
-                            };
-                            // An IPv6-less kernel refuses the family; there is nothing to route.
-                            if benign || errno == libc::EAFNOSUPPORT {
-                                Ok(())
-                            } else {
-                                Err(io::Error::from_raw_os_error(errno))
-                            }
-                        }
+        self.until_answered(8192, |payload| {
+            let NetlinkPayload::Error(err) = payload else {
+                return None;
+            };
+            Some(match err.code {
+                None => Ok(()),
+                Some(code) => {
+                    let errno = -code.get();
+                    let benign = if add {
+                        errno == libc::EEXIST
+                    } else {
+                        errno == libc::ENOENT || errno == libc::ESRCH
                     };
+                    // An IPv6-less kernel refuses the family; there is nothing to route.
+                    if benign || errno == libc::EAFNOSUPPORT {
+                        Ok(())
+                    } else {
+                        Err(io::Error::from_raw_os_error(errno))
+                    }
                 }
-                if len == 0 {
-                    break;
-                }
-                offset += len;
-            }
-        }
+            })
+        })
     }
 
     /// Sends a dump request and collects every message of the reply.
@@ -88,8 +75,30 @@ impl Rtnl {
         message: RouteNetlinkMessage,
     ) -> io::Result<Vec<RouteNetlinkMessage>> {
         self.send(message, NLM_F_REQUEST | NLM_F_DUMP)?;
-        let mut reply = vec![0; 32768];
         let mut out = Vec::new();
+        self.until_answered(32768, |payload| match payload {
+            NetlinkPayload::Done(_) => Some(Ok(())),
+            NetlinkPayload::Error(err) => Some(match err.code {
+                None => Ok(()),
+                Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
+            }),
+            NetlinkPayload::InnerMessage(m) => {
+                out.push(m);
+                None
+            }
+            _ => None,
+        })?;
+        Ok(out)
+    }
+
+    /// Reads replies to the last request, handing each payload of its sequence number to
+    /// `answer` until that returns the outcome.
+    fn until_answered(
+        &mut self,
+        buffer: usize,
+        mut answer: impl FnMut(NetlinkPayload<RouteNetlinkMessage>) -> Option<io::Result<()>>,
+    ) -> io::Result<()> {
+        let mut reply = vec![0; buffer];
         loop {
             let n = self.socket.recv(&mut &mut reply[..], 0)?;
             let mut offset = 0;
@@ -97,18 +106,10 @@ impl Rtnl {
                 let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
                     .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
                 let len = msg.header.length as usize;
-                if msg.header.sequence_number == self.seq {
-                    match msg.payload {
-                        NetlinkPayload::Done(_) => return Ok(out),
-                        NetlinkPayload::Error(err) => {
-                            return match err.code {
-                                None => Ok(out),
-                                Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
-                            };
-                        }
-                        NetlinkPayload::InnerMessage(m) => out.push(m),
-                        _ => {}
-                    }
+                if msg.header.sequence_number == self.seq
+                    && let Some(outcome) = answer(msg.payload)
+                {
+                    return outcome;
                 }
                 if len == 0 {
                     break;
