@@ -267,3 +267,68 @@ fn status_of_a_full_node_answers_in_seconds() -> Result<()> {
     loaded.unload()?;
     Ok(())
 }
+
+/// Enrolment of a netns that already holds more addresses than one pod may register (a pod
+/// enrolled again after its root flooded it): at most the cap go into `SIDESTEP_ADDRS`, and the
+/// attachment's own addresses are among them however the netns lists its interfaces.
+#[test]
+fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() -> Result<()> {
+    if skip_unless_root("enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first")
+    {
+        return Ok(());
+    }
+    let env = TestEnv::new("addrcap")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let pod = node.add_pod("flooded")?;
+    let loaded = Loaded::load(&env)?;
+    // eth0 (listed first) gets 100 more addresses; the attachment is net1, made after it.
+    let flood = env.tmp_dir().join("flood.batch");
+    let lines: String = (0..100)
+        .map(|i| format!("addr add 10.250.0.{i}/32 dev eth0\n"))
+        .collect();
+    std::fs::write(&flood, lines)?;
+    pod.ip(&["-batch", &flood.display().to_string()])?;
+    pod.ip(&[
+        "link",
+        "add",
+        "net1",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "net1-peer",
+    ])?;
+    pod.ip(&["addr", "add", "10.77.0.2/24", "dev", "net1"])?;
+    pod.ip(&["link", "set", "net1", "up"])?;
+    loaded.enroll(&pod, &["--interface", "net1"])?;
+
+    let cookie = pod.netns_cookie()?;
+    let path = env
+        .pin_root()
+        .join("maps/SIDESTEP_ADDRS")
+        .display()
+        .to_string();
+    let held: Vec<u64> = bpftool(&["map", "dump", "pinned", &path, "--json"])?
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|e| e["formatted"]["value"].as_u64() == Some(cookie))
+        .filter_map(|e| e["formatted"]["key"][3].as_u64())
+        .collect();
+    let word = |ip: std::net::Ipv4Addr| u64::from(u32::from_ne_bytes(ip.octets()));
+    // userspace/src/enroll/addresses.rs, MAX_POD_ADDRESSES.
+    ensure!(
+        held.len() == 64,
+        "{} addresses registered for one pod",
+        held.len()
+    );
+    ensure!(held.contains(&word(pod.ipv4)), "the pod IP was left out");
+    ensure!(
+        held.contains(&word(std::net::Ipv4Addr::new(10, 77, 0, 2))),
+        "the attachment's (net1's) address was left out"
+    );
+    loaded.unenroll(&pod)?;
+    loaded.unload()?;
+    Ok(())
+}
