@@ -268,9 +268,10 @@ fn status_of_a_full_node_answers_in_seconds() -> Result<()> {
     Ok(())
 }
 
-/// Enrolment of a netns that already holds more addresses than one pod may register (a pod
-/// enrolled again after its root flooded it): at most the cap go into `SIDESTEP_ADDRS`, and the
-/// attachment's own addresses are among them however the netns lists its interfaces.
+/// Enrolment of a netns that already holds more addresses and routes than one pod may register
+/// (a pod enrolled again after its root flooded it): at most the caps go into `SIDESTEP_ADDRS`
+/// and `SIDESTEP_SRCR`, and the attachment's own addresses are among them however the netns
+/// lists its interfaces.
 #[test]
 fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() -> Result<()> {
     if skip_unless_root("enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first")
@@ -300,7 +301,26 @@ fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() ->
     ])?;
     pod.ip(&["addr", "add", "10.77.0.2/24", "dev", "net1"])?;
     pod.ip(&["link", "set", "net1", "up"])?;
+    // And more routes through net1 than one pod's source routes may be.
+    let routes: String = (0..100)
+        .map(|i| format!("route add 10.100.{i}.0/24 dev net1\n"))
+        .collect();
+    std::fs::write(&flood, routes)?;
+    pod.ip(&["-batch", &flood.display().to_string()])?;
     loaded.enroll(&pod, &["--interface", "net1"])?;
+    let trie = env
+        .pin_root()
+        .join("maps/SIDESTEP_SRCR")
+        .display()
+        .to_string();
+    let source_routes = bpftool(&["map", "dump", "pinned", &trie, "--json"])?
+        .as_array()
+        .map_or(0, Vec::len);
+    // userspace/src/enroll/source.rs, MAX_FOLLOWED_ROUTES.
+    ensure!(
+        source_routes == 64,
+        "{source_routes} source routes of one pod"
+    );
 
     let cookie = pod.netns_cookie()?;
     let path = env

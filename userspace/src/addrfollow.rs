@@ -72,6 +72,9 @@ pub struct Synced {
     pub held_by_others: Vec<(IpAddr, u64)>,
     /// Addresses of the netns beyond [`MAX_POD_ADDRESSES`], not written.
     pub left_out: usize,
+    /// What was left out (addresses or source routes) differs from the sync before: a warning
+    /// is due once per change, not at every sync of a flooded pod that churns.
+    pub left_out_changed: bool,
     /// The netns is not enrolled (any more, or not yet): nothing of it is in the map.
     pub unenrolled: bool,
     /// The source its captured connections leave from ([`crate::enroll::source::follow`]).
@@ -90,9 +93,12 @@ pub struct AddressFollower {
     cookie: u64,
     socket: Socket,
     added: BTreeSet<[u32; 4]>,
+    /// When the last sync ended.
     last_sync: Option<Instant>,
     /// Notifications arrived that no sync has read yet.
     pending: bool,
+    /// What the last sync left out (addresses, routes), so a warning is given once per change.
+    left_out: (usize, usize),
 }
 
 impl AddressFollower {
@@ -121,6 +127,7 @@ impl AddressFollower {
             added: BTreeSet::new(),
             last_sync: None,
             pending: false,
+            left_out: (0, 0),
         })
     }
 
@@ -163,7 +170,6 @@ impl AddressFollower {
     /// the entries this follower added for addresses the netns no longer has. (Enrolment's entries
     /// for addresses since gone stay until the DEL: one pod holds at most twice the cap.)
     pub fn sync(&mut self, maps: &mut PolicyMaps) -> Result<Synced, FollowError> {
-        self.last_sync = Some(Instant::now());
         self.pending = false;
         let mut synced = Synced::default();
         if !maps.is_enrolled(self.cookie)? {
@@ -207,6 +213,8 @@ impl AddressFollower {
             synced.added.push(words_address(words));
         }
         synced.source = crate::enroll::source::follow(maps, self.cookie, &facts)?;
+        let left_out = (synced.left_out, synced.source.routes_left_out);
+        synced.left_out_changed = std::mem::replace(&mut self.left_out, left_out) != left_out;
         Ok(synced)
     }
 
@@ -222,9 +230,15 @@ impl AddressFollower {
     }
 
     /// When the next sync may run.
-    fn due(&self) -> Instant {
-        self.last_sync
-            .map_or_else(Instant::now, |at| at + MIN_SYNC_INTERVAL)
+    /// Counted from the end of the last sync: a pod whose netns takes long to read is read
+    /// less often, not back to back.
+    fn due(&self) -> Option<Instant> {
+        self.last_sync.map(|at| at + MIN_SYNC_INTERVAL)
+    }
+
+    /// A follower that never synced (its first sync found no maps) is due at once.
+    fn is_due(&self, now: Instant) -> bool {
+        is_due(self.last_sync, now)
     }
 
     fn remove_own(&self, maps: &mut PolicyMaps, words: &[u32; 4]) -> Result<bool, FollowError> {
@@ -319,11 +333,15 @@ pub fn follow(
                 }
             }
         }
+        // Without the maps nothing can sync: wait for the next refresh rather than spin.
         let now = Instant::now();
         let wait = followers
             .values()
-            .filter(|f| f.pending)
-            .map(|f| f.due().saturating_duration_since(now))
+            .filter(|f| f.pending && maps.is_some())
+            .map(|f| {
+                f.due()
+                    .map_or(Duration::ZERO, |due| due.saturating_duration_since(now))
+            })
             .fold(refresh, Duration::min);
         for path in wait_readable(&followers, wait) {
             let Some(f) = followers.get_mut(&path) else {
@@ -339,7 +357,7 @@ pub fn follow(
         }
         let now = Instant::now();
         for f in followers.values_mut() {
-            if f.pending && f.due() <= now {
+            if f.pending && f.is_due(now) {
                 sync_one(f, maps.as_mut(), &mut on);
             }
         }
@@ -359,7 +377,9 @@ fn sync_one(
     let Some(maps) = maps else {
         return;
     };
-    match f.sync(maps) {
+    let result = f.sync(maps);
+    f.last_sync = Some(Instant::now());
+    match result {
         Ok(synced) => on(FollowEvent::Synced(f, &synced)),
         Err(error) => on(FollowEvent::Failed {
             path: f.path(),
@@ -389,6 +409,9 @@ fn wait_readable(
         .iter()
         .map(|(_, f)| PollFd::new(f.fd(), PollFlags::POLLIN))
         .collect();
+    // Rounded up: poll counts whole milliseconds, and a timeout cut short wakes the loop before
+    // the sync it waits for is due.
+    let timeout = Duration::from_millis(timeout.as_micros().div_ceil(1000) as u64);
     let timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
     if !matches!(poll(&mut fds, timeout), Ok(n) if n > 0) {
         return Vec::new();
@@ -399,4 +422,22 @@ fn wait_readable(
         .filter(|(_, p)| p.revents().is_some_and(|r| !r.is_empty()))
         .map(|((path, _), _)| (*path).clone())
         .collect()
+}
+
+fn is_due(last_sync: Option<Instant>, now: Instant) -> bool {
+    last_sync.is_none_or(|at| at + MIN_SYNC_INTERVAL <= now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sync_is_due_an_interval_after_the_last_or_at_once_without_one() {
+        let now = Instant::now();
+        assert!(is_due(None, now));
+        assert!(!is_due(Some(now), now));
+        assert!(!is_due(Some(now), now + MIN_SYNC_INTERVAL / 2));
+        assert!(is_due(Some(now), now + MIN_SYNC_INTERVAL));
+    }
 }

@@ -102,7 +102,7 @@ pub fn enroll_netns(
         .filter(|_| was_enrolled);
     let primary_source = source::primary(entries.source, &facts, earlier_source);
     let mut netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
-    netns_keys.source_routes = source::routes(&facts, &primary_source);
+    netns_keys.source_routes = source::enrolment_routes(&facts, &primary_source, netns_cookie);
     entries.source = source::entry(primary_source, &netns_keys.source_routes);
     netns_keys.proxy_host_ids = host_ids;
     entries.pod = NetnsKeys::with_host_ids(entries.pod, host_ids);

@@ -69,7 +69,7 @@ fn run(agent: &Agent) {
                         "the source of the pod's captured connections follows its netns"
                     );
                 }
-                if synced.left_out > 0 {
+                if synced.left_out > 0 && synced.left_out_changed {
                     tracing::warn!(
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),
@@ -78,7 +78,7 @@ fn run(agent: &Agent) {
                         "the pod has more addresses than are registered for one pod; connections to the rest are captured as outbound"
                     );
                 }
-                if source.routes_left_out > 0 {
+                if source.routes_left_out > 0 && synced.left_out_changed {
                     tracing::warn!(
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),

@@ -1,6 +1,6 @@
 //! How many of a pod netns's addresses go into `SIDESTEP_ADDRS`, and which.
 
-use std::net::IpAddr;
+use std::{collections::HashSet, net::IpAddr};
 
 /// The most addresses one pod holds in `SIDESTEP_ADDRS` (enrolment's and the address follower's
 /// together). The addresses come from the pod netns, where an app with CAP_NET_ADMIN can add
@@ -13,9 +13,14 @@ pub const MAX_POD_ADDRESSES: usize = 64;
 /// Keeps at most `room` of `addresses`, the attachment's own (`first`) before the rest, in their
 /// order otherwise; returns how many it left out.
 pub(crate) fn keep_within(addresses: &mut Vec<IpAddr>, first: &[IpAddr], room: usize) -> usize {
-    addresses.sort_by_key(|ip| !first.contains(ip));
-    let left_out = addresses.len().saturating_sub(room);
-    addresses.truncate(room);
+    // A set: a flooded interface lists thousands of addresses.
+    let first: HashSet<&IpAddr> = first.iter().collect();
+    let (mut kept, rest): (Vec<IpAddr>, Vec<IpAddr>) =
+        addresses.iter().partition(|ip| first.contains(ip));
+    kept.extend(rest);
+    let left_out = kept.len().saturating_sub(room);
+    kept.truncate(room);
+    *addresses = kept;
     left_out
 }
 

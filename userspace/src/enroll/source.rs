@@ -58,6 +58,26 @@ pub(super) fn primary(
     }
 }
 
+/// [`routes`] as enrolment writes them: at most [`MAX_FOLLOWED_ROUTES`] (a warning counts the rest).
+pub(super) fn enrolment_routes(
+    facts: &NetnsFacts,
+    primary: &PodSource,
+    netns_cookie: u64,
+) -> Vec<SourceRoute> {
+    let mut all = routes(facts, primary);
+    if all.len() > MAX_FOLLOWED_ROUTES {
+        tracing::warn!(
+            netns_cookie,
+            left_out = all.len() - MAX_FOLLOWED_ROUTES,
+            max = MAX_FOLLOWED_ROUTES,
+            "the netns has more routes through its other interfaces than are written for one \
+             pod; connections to the rest leave from its primary address"
+        );
+        all.truncate(MAX_FOLLOWED_ROUTES);
+    }
+    all
+}
+
 /// The routes (facts read them for a pod with addresses on more than one interface) that leave
 /// by an interface other than the one holding `primary`'s address of their family, each with
 /// that interface's first usable address of the family, which is the source the kernel picks
@@ -201,7 +221,7 @@ fn scan_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<((u32, CidrKey), [u
         .collect()
 }
 
-/// The most source routes [`follow`] writes for one pod. The routes come from the pod netns, where
+/// The most source routes enrolment or [`follow`] writes for one pod. The routes come from the pod netns, where
 /// an app with CAP_NET_ADMIN can add thousands, and `SIDESTEP_SRCR` is shared by every pod of the
 /// node: a full trie would fail other pods' ADDs. A route left out only costs its destinations
 /// REDIRECT's source (they leave from the primary address); capture does not depend on it.
