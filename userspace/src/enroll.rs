@@ -8,19 +8,19 @@
 //! the cookie (the safety net, for callers that do not know what was written), and by deleting
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
-mod addresses;
 pub(crate) mod facts;
 pub mod hook;
+mod limits;
 mod passthrough;
 pub mod source;
 mod unenroll;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};
 
-pub use addresses::MAX_POD_ADDRESSES;
-use addresses::keep_within;
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
+pub use limits::MAX_POD_ADDRESSES;
+use limits::{exclusion_routes, keep_within};
 use sidestep_abi::{
     CidrKey, InterfaceKey, PodSource, PortKey, RerouteIfKey, cidr_list, flags, iface_kind,
     map_names, route_via,
@@ -293,7 +293,7 @@ fn netns_keys(
         routes: if policy.exclude_interfaces.is_empty() {
             Vec::new()
         } else {
-            facts.routes.clone()
+            exclusion_routes(&facts.routes, netns_cookie)
         },
         proxy_host_ids: None,
         source_routes: Vec::new(),

@@ -1,0 +1,86 @@
+//! How much of a pod netns goes into the maps every pod of the node shares. Root in a pod can
+//! add thousands of addresses and routes; a full shared map would fail other pods' ADDs.
+
+use std::{collections::HashSet, net::IpAddr};
+
+use super::Route;
+
+/// The most addresses one pod holds in `SIDESTEP_ADDRS` (enrolment's and the address follower's
+/// together). The addresses come from the pod netns, where an app with CAP_NET_ADMIN can add
+/// thousands, and the map is shared by every pod of the node: a full map would fail other pods'
+/// ADDs. An address left out fails closed: the app calling it is captured to the outbound port
+/// (Istio would leave that call to the pod itself), and a SYN to it is steered by the pod's own
+/// sk_lookup program, which names its pod without the map.
+pub const MAX_POD_ADDRESSES: usize = 64;
+
+/// Keeps at most `room` of `addresses`, the attachment's own (`first`) before the rest, in their
+/// order otherwise; returns how many it left out.
+pub(crate) fn keep_within(addresses: &mut Vec<IpAddr>, first: &[IpAddr], room: usize) -> usize {
+    // A set: a flooded interface lists thousands of addresses.
+    let first: HashSet<&IpAddr> = first.iter().collect();
+    let (mut kept, rest): (Vec<IpAddr>, Vec<IpAddr>) =
+        addresses.iter().partition(|ip| first.contains(ip));
+    kept.extend(rest);
+    let left_out = kept.len().saturating_sub(room);
+    kept.truncate(room);
+    *addresses = kept;
+    left_out
+}
+
+/// The most routes of one pod in the `cidr_list::ROUTE` list of `SIDESTEP_CIDRS` (`-o <nic>` for
+/// excluded interfaces).
+pub const MAX_EXCLUSION_ROUTES: usize = 256;
+
+/// The routes to write for a pod with excluded interfaces: all of them, or none when there are
+/// more than [`MAX_EXCLUSION_ROUTES`]. A part would not do: a route left out sends its
+/// destinations to a shorter prefix, which may be an excluded interface's, and the connection
+/// would pass uncaptured. Without routes nothing counts as leaving by an excluded interface, so
+/// everything is captured (fail closed) but sockets bound to that device.
+pub(crate) fn exclusion_routes(routes: &[Route], netns_cookie: u64) -> Vec<Route> {
+    if routes.len() <= MAX_EXCLUSION_ROUTES {
+        return routes.to_vec();
+    }
+    tracing::warn!(
+        netns_cookie,
+        routes = routes.len(),
+        max = MAX_EXCLUSION_ROUTES,
+        "the netns has more routes than are written for one pod's excluded interfaces; none is \
+         written, so connections are captured whatever interface their route takes (sockets \
+         bound to an excluded device excepted)"
+    );
+    Vec::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exclusion_routes_are_all_written_or_none() {
+        let route = |i: u32| Route {
+            destination: IpAddr::from([10, 100, (i / 256) as u8, (i % 256) as u8]),
+            prefix_len: 32,
+            ifindex: 3,
+        };
+        let at_cap: Vec<Route> = (0..MAX_EXCLUSION_ROUTES as u32).map(route).collect();
+        assert_eq!(exclusion_routes(&at_cap, 1), at_cap);
+        let past: Vec<Route> = (0..=MAX_EXCLUSION_ROUTES as u32).map(route).collect();
+        assert!(exclusion_routes(&past, 1).is_empty());
+    }
+
+    #[test]
+    fn the_cap_keeps_the_attachments_own_addresses_first() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let mut addresses = vec![
+            ip("10.9.0.1"),
+            ip("10.9.0.2"),
+            ip("10.0.0.5"),
+            ip("fd00::5"),
+        ];
+        let own = [ip("fd00::5"), ip("10.0.0.5")];
+        assert_eq!(keep_within(&mut addresses, &own, 3), 1);
+        assert_eq!(addresses, [ip("10.0.0.5"), ip("fd00::5"), ip("10.9.0.1")]);
+        assert_eq!(keep_within(&mut addresses, &own, 0), 3);
+        assert!(addresses.is_empty());
+    }
+}
