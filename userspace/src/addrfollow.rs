@@ -9,7 +9,9 @@
 //! its address and route notifications; each notification makes it read the netns's addresses
 //! again (the notifications themselves are not trusted to be complete: the socket may overrun).
 //! The same read keeps the source of captured connections in step (`SIDESTEP_SRC` for a family
-//! the pod gained, `SIDESTEP_SRCR` for routes through interfaces attached after the ADD).
+//! the pod gained, `SIDESTEP_SRCR` for routes through interfaces attached after the ADD), and,
+//! for a pod whose policy excludes interfaces, their entries and the routes `-o <nic>` follows
+//! ([`crate::enroll::exclusion`]).
 //!
 //! What a follower writes to `SIDESTEP_ADDRS`, it owns: it never takes an address that another
 //! live pod holds (as enrolment does not), and it removes only entries it added that still name
@@ -34,7 +36,11 @@ use std::{
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 use crate::{
-    enroll::{MAX_POD_ADDRESSES, source::SourceChanges},
+    enroll::{
+        MAX_POD_ADDRESSES,
+        exclusion::{self, ExclusionChanges},
+        source::SourceChanges,
+    },
     error::{MapsError, NetnsError},
     maps::PolicyMaps,
     netns::Netns,
@@ -79,11 +85,16 @@ pub struct Synced {
     pub unenrolled: bool,
     /// The source its captured connections leave from ([`crate::enroll::source::follow`]).
     pub source: SourceChanges,
+    /// Its excluded interfaces and their routes ([`crate::enroll::exclusion::follow`]).
+    pub exclusion: ExclusionChanges,
 }
 
 impl Synced {
     pub fn changed(&self) -> bool {
-        !self.added.is_empty() || !self.removed.is_empty() || self.source.changed()
+        !self.added.is_empty()
+            || !self.removed.is_empty()
+            || self.source.changed()
+            || self.exclusion.changed()
     }
 }
 
@@ -99,6 +110,10 @@ pub struct AddressFollower {
     pending: bool,
     /// What the last sync left out (addresses, routes), so a warning is given once per change.
     left_out: (usize, usize),
+    /// The interfaces the pod's policy excludes (`excludeInterfaces`), and what is known of
+    /// their entries.
+    excluded: Vec<String>,
+    exclusion: exclusion::Followed,
 }
 
 impl AddressFollower {
@@ -128,6 +143,8 @@ impl AddressFollower {
             last_sync: None,
             pending: false,
             left_out: (0, 0),
+            excluded: Vec::new(),
+            exclusion: exclusion::Followed::default(),
         })
     }
 
@@ -177,7 +194,8 @@ impl AddressFollower {
             synced.unenrolled = true;
             return Ok(synced);
         }
-        let facts = crate::enroll::facts::read(&self.netns, false)?;
+        // Routes too for a pod that excludes interfaces: `-o <nic>` follows them.
+        let facts = crate::enroll::facts::read(&self.netns, !self.excluded.is_empty())?;
         let now: BTreeSet<[u32; 4]> = facts
             .addresses
             .iter()
@@ -213,6 +231,15 @@ impl AddressFollower {
             synced.added.push(words_address(words));
         }
         synced.source = crate::enroll::source::follow(maps, self.cookie, &facts)?;
+        if !self.excluded.is_empty() {
+            synced.exclusion = exclusion::follow(
+                maps,
+                self.cookie,
+                &facts,
+                &self.excluded,
+                &mut self.exclusion,
+            )?;
+        }
         let left_out = (synced.left_out, synced.source.routes_left_out);
         synced.left_out_changed = std::mem::replace(&mut self.left_out, left_out) != left_out;
         Ok(synced)
@@ -269,13 +296,14 @@ pub enum FollowEvent<'a> {
     },
 }
 
-/// Follows the netns that `wanted` names, re-asked every `refresh` (a follower starts for each
-/// new path and stops, releasing its entries, for each path no longer named), until `keep_going`
-/// says no. Blocks the calling thread; the agent runs it on a thread of its own.
+/// Follows the netns that `wanted` names, each with the interfaces its pod's policy excludes,
+/// re-asked every `refresh` (a follower starts for each new path and stops, releasing its
+/// entries, for each path no longer named), until `keep_going` says no. Blocks the calling
+/// thread; the agent runs it on a thread of its own.
 pub fn follow(
     pin_root: &Path,
     refresh: Duration,
-    mut wanted: impl FnMut() -> BTreeSet<PathBuf>,
+    mut wanted: impl FnMut() -> BTreeMap<PathBuf, Vec<String>>,
     mut keep_going: impl FnMut() -> bool,
     mut on: impl FnMut(FollowEvent<'_>),
 ) {
@@ -294,7 +322,7 @@ pub fn follow(
         };
         let stale: Vec<PathBuf> = followers
             .keys()
-            .filter(|p| !want.contains(*p))
+            .filter(|p| !want.contains_key(*p))
             .cloned()
             .collect();
         for path in stale {
@@ -310,14 +338,20 @@ pub fn follow(
                 removed,
             });
         }
-        failed.retain(|p| want.contains(p));
-        for path in want {
-            if followers.contains_key(&path) {
+        failed.retain(|p| want.contains_key(p));
+        for (path, excluded) in want {
+            if let Some(f) = followers.get_mut(&path) {
+                // A later attachment's ADD may have changed the policy.
+                if f.excluded != excluded {
+                    f.excluded = excluded;
+                    f.pending = true;
+                }
                 continue;
             }
             match AddressFollower::open(&path) {
                 Ok(mut f) => {
                     failed.remove(&path);
+                    f.excluded = excluded;
                     on(FollowEvent::Started(&f));
                     // What changed between enrolment and now.
                     sync_one(&mut f, maps.as_mut(), &mut on);

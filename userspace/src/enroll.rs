@@ -8,6 +8,7 @@
 //! the cookie (the safety net, for callers that do not know what was written), and by deleting
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
+pub mod exclusion;
 pub(crate) mod facts;
 pub mod hook;
 mod limits;
@@ -293,7 +294,18 @@ fn netns_keys(
         routes: if policy.exclude_interfaces.is_empty() {
             Vec::new()
         } else {
-            exclusion_routes(&facts.routes, netns_cookie)
+            let routes = exclusion_routes(&facts.routes);
+            if routes.len() < facts.routes.len() {
+                tracing::warn!(
+                    netns_cookie,
+                    routes = facts.routes.len(),
+                    max = limits::MAX_EXCLUSION_ROUTES,
+                    "the netns has more routes than are written for one pod's excluded \
+                     interfaces; none is written, so connections are captured whatever \
+                     interface their route takes (sockets bound to an excluded device excepted)"
+                );
+            }
+            routes.to_vec()
         },
         proxy_host_ids: None,
         source_routes: Vec::new(),

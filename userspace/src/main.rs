@@ -425,7 +425,9 @@ fn ztunnel_serve(
 /// One line on stdout per change, for scripts and tests to wait on.
 fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
     use sidestep::addrfollow::{self, FollowEvent};
-    let wanted: std::collections::BTreeSet<PathBuf> = netns.into_iter().collect();
+    // No record here names a pod's excluded interfaces: only the agent follows those.
+    let wanted: std::collections::BTreeMap<PathBuf, Vec<String>> =
+        netns.into_iter().map(|n| (n, Vec::new())).collect();
     addrfollow::follow(
         pin_root,
         std::time::Duration::from_secs(1),

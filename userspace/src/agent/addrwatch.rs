@@ -25,8 +25,9 @@ pub fn spawn(agent: Arc<Agent>) -> std::io::Result<std::thread::JoinHandle<()>> 
 
 fn run(agent: &Agent) {
     let s = &agent.settings;
-    // Record file name -> the netns path as the agent sees it; records are read once each.
-    let mut known: BTreeMap<String, Option<PathBuf>> = BTreeMap::new();
+    // Record file name -> the netns path as the agent sees it and the interfaces the recorded
+    // policy excludes; records are read once each.
+    let mut known: BTreeMap<String, Option<(PathBuf, Vec<String>)>> = BTreeMap::new();
     let wanted = || {
         let names: BTreeSet<String> = pods::record_names(&s.state_dir).into_iter().collect();
         known.retain(|n, _| names.contains(n));
@@ -35,7 +36,15 @@ fn run(agent: &Agent) {
                 .entry(name)
                 .or_insert_with_key(|name| netns_of(agent, &s.state_dir.join(name)));
         }
-        known.values().flatten().cloned().collect()
+        // A pod with several attachments has a record each: their exclusions together.
+        let mut wanted: BTreeMap<PathBuf, Vec<String>> = BTreeMap::new();
+        for (netns, excluded) in known.values().flatten() {
+            let all = wanted.entry(netns.clone()).or_default();
+            all.extend(excluded.iter().cloned());
+            all.sort();
+            all.dedup();
+        }
+        wanted
     };
     let counters = &agent.counters;
     addrfollow::follow(
@@ -67,6 +76,25 @@ fn run(agent: &Agent) {
                         routes_written = ?source.routes_written,
                         routes_removed = source.routes_removed,
                         "the source of the pod's captured connections follows its netns"
+                    );
+                }
+                let exclusion = &synced.exclusion;
+                if exclusion.changed() {
+                    tracing::info!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        interfaces_added = ?exclusion.interfaces_added,
+                        interfaces_removed = exclusion.interfaces_removed,
+                        routes_written = exclusion.routes_written,
+                        routes_removed = exclusion.routes_removed,
+                        "the pod's excluded interfaces follow its netns"
+                    );
+                    counters.late_exclusions.fetch_add(
+                        (exclusion.interfaces_added.len()
+                            + exclusion.interfaces_removed
+                            + exclusion.routes_written
+                            + exclusion.routes_removed) as u64,
+                        Ordering::Relaxed,
                     );
                 }
                 if synced.left_out > 0 && synced.left_out_changed {
@@ -119,12 +147,16 @@ fn run(agent: &Agent) {
     );
 }
 
-/// The netns of a record of this agent's pin root, as the agent sees the path.
-fn netns_of(agent: &Agent, record: &std::path::Path) -> Option<PathBuf> {
+/// The netns of a record of this agent's pin root, as the agent sees the path, and the
+/// interfaces its policy excludes.
+fn netns_of(agent: &Agent, record: &std::path::Path) -> Option<(PathBuf, Vec<String>)> {
     let s = &agent.settings;
     let r: pods::Record = serde_json::from_slice(&std::fs::read(record).ok()?).ok()?;
     if r.pin_root.as_deref().is_some_and(|p| p != s.pin_root) {
         return None;
     }
-    Some(pods::agent_view(&r.netns, &s.proc_dir))
+    Some((
+        pods::agent_view(&r.netns, &s.proc_dir),
+        r.policy.exclude_interfaces,
+    ))
 }

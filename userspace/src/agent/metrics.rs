@@ -63,6 +63,8 @@ pub struct AgentCounters {
     pub late_source_routes: AtomicU64,
     /// The address follower's reads of a pod netns (one per burst of changes, rate-limited).
     pub address_syncs: AtomicU64,
+    /// Entries of excluded interfaces and their routes written or removed after enrolment.
+    pub late_exclusions: AtomicU64,
     /// The readiness taint is off this node (`readiness-taint`).
     pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
@@ -354,6 +356,11 @@ pub fn render(
             "sidestep_address_syncs",
             "Reads of a pod netns by the address follower, one per burst of address or route changes (at most 10 a second per pod)",
             &counters.address_syncs,
+        ),
+        (
+            "sidestep_late_exclusions",
+            "Entries of excluded interfaces that appeared after enrolment (Multus attaches them after the default network's chain), and of their routes, written or removed",
+            &counters.late_exclusions,
         ),
         (
             "sidestep_reconcile_errors",

@@ -38,6 +38,16 @@ pub struct Record {
     pub pod_namespace: Option<String>,
     #[serde(default)]
     pub pin_root: Option<PathBuf>,
+    #[serde(default)]
+    pub policy: RecordPolicy,
+}
+
+/// The part of the recorded policy the agent uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordPolicy {
+    #[serde(default)]
+    pub exclude_interfaces: Vec<String>,
 }
 
 /// The records of the state directory, by file; unreadable ones are skipped with a warning.

@@ -538,6 +538,7 @@ pub fn reconcile(
                     pod_name: None,
                     pod_namespace: None,
                     pin_root: Some(s.pin_root.clone()),
+                    policy: Default::default(),
                 });
             }
             Err(e) => report.errors.push(e.to_string()),

@@ -36,19 +36,12 @@ pub const MAX_EXCLUSION_ROUTES: usize = 256;
 /// destinations to a shorter prefix, which may be an excluded interface's, and the connection
 /// would pass uncaptured. Without routes nothing counts as leaving by an excluded interface, so
 /// everything is captured (fail closed) but sockets bound to that device.
-pub(crate) fn exclusion_routes(routes: &[Route], netns_cookie: u64) -> Vec<Route> {
+pub(crate) fn exclusion_routes(routes: &[Route]) -> &[Route] {
     if routes.len() <= MAX_EXCLUSION_ROUTES {
-        return routes.to_vec();
+        routes
+    } else {
+        &[]
     }
-    tracing::warn!(
-        netns_cookie,
-        routes = routes.len(),
-        max = MAX_EXCLUSION_ROUTES,
-        "the netns has more routes than are written for one pod's excluded interfaces; none is \
-         written, so connections are captured whatever interface their route takes (sockets \
-         bound to an excluded device excepted)"
-    );
-    Vec::new()
 }
 
 #[cfg(test)]
@@ -63,9 +56,9 @@ mod tests {
             ifindex: 3,
         };
         let at_cap: Vec<Route> = (0..MAX_EXCLUSION_ROUTES as u32).map(route).collect();
-        assert_eq!(exclusion_routes(&at_cap, 1), at_cap);
+        assert_eq!(exclusion_routes(&at_cap), at_cap);
         let past: Vec<Route> = (0..=MAX_EXCLUSION_ROUTES as u32).map(route).collect();
-        assert!(exclusion_routes(&past, 1).is_empty());
+        assert!(exclusion_routes(&past).is_empty());
     }
 
     #[test]

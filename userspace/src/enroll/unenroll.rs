@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use aya::maps::{MapError, lpm_trie::Key};
-use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, map_names};
+use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, cidr_list, map_names};
 
 use super::{NetnsKeys, reroute_names, route_entry, source};
 use crate::{
@@ -308,6 +308,20 @@ pub fn unenroll_recorded(
             }
         }
         None => first.note(remove_interfaces(maps, netns_cookie, &[])),
+    }
+    // The agent's follower writes the entries of excluded interfaces that appear after the ADD
+    // (Multus attaches them after this chain ran) and of their routes; no record names them.
+    if !recorded.policy.exclude_interfaces.is_empty() {
+        first.note(remove_interfaces(maps, netns_cookie, &[]));
+        let route_list = cidr_list::ROUTE.to_be();
+        for (bits, data) in cidr_keys(maps, netns_cookie) {
+            if data.list_be == route_list {
+                first.note(deleted(
+                    map_names::CIDR_RULES,
+                    maps.cidrs.remove(&Key::new(bits, data)),
+                ));
+            }
+        }
     }
     // Only pods with re-routed interfaces (VMs) have these; for them the scan stays, since the
     // keys depend on what the netns held at enrolment, and no record says it.
