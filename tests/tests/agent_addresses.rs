@@ -427,6 +427,15 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     let inbound = recorder(&env, &pod, 15006, PROXY_UID)?;
     let app = recorder(&env, &pod, 8080, APP_UID)?;
     let seen = |p: &sidestep_tests::ChildGuard| p.stdout().lines().count();
+    // The ROUTE list (cidr_list::ROUTE = 2, stored big-endian) of SIDESTEP_CIDRS.
+    let route_entries = || -> Result<Vec<Value>> {
+        Ok(map_entries(&env, "SIDESTEP_CIDRS")?
+            .into_iter()
+            .filter(|e| {
+                e["formatted"]["key"]["data"]["list_be"].as_u64() == Some(u64::from(2u32.to_be()))
+            })
+            .collect())
+    };
     let (out0, in0, app0) = (seen(&outbound), seen(&inbound), seen(&app));
     let cookie = pod.netns_cookie()?;
 
@@ -440,6 +449,18 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     peer.ip(&["link", "set", "net1-peer", "up"])?;
     pod.ip(&["addr", "add", "10.77.0.2/24", "dev", "net1"])?;
     pod.ip(&["link", "set", "net1", "up"])?;
+    // Multus's own default route, behind eth0's: the kernel keeps routing by eth0's.
+    pod.ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        "10.77.0.9",
+        "dev",
+        "net1",
+        "metric",
+        "100",
+    ])?;
     let far = std::net::SocketAddr::from(([10, 77, 0, 9], 8080));
     let mut far_end = peer.spawn(
         &env,
@@ -448,10 +469,27 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     sidestep_tests::wait_listening(&mut far_end, &[far], Duration::from_secs(5))?;
     let far0 = seen(&far_end);
     let bound = sidestep_tests::scaled(Duration::from_secs(3));
+    let net1: u64 = pod
+        .ip(&["-o", "link", "show", "net1"])?
+        .split(':')
+        .next()
+        .and_then(|i| i.trim().parse().ok())
+        .context("net1's ifindex")?;
+    let excluded_entry = || -> Result<bool> {
+        Ok(map_entries(&env, "SIDESTEP_IFACES")?.iter().any(|e| {
+            e["formatted"]["key"]["ifindex"].as_u64() == Some(net1)
+                && e["formatted"]["value"].as_u64() == Some(2)
+        }))
+    };
+    // ebpf/sidestep-abi: iface_kind::EXCLUDED = 2; route_via::EXCLUDED = 1 (net1's subnet).
     wait_until("net1 excluded", bound, || {
-        Ok(agent.metric("sidestep_late_exclusions_total")? >= 2.0)
+        Ok(excluded_entry()?
+            && route_entries()?
+                .iter()
+                .any(|e| e["formatted"]["value"].as_u64() == Some(1)))
     })
     .with_context(|| agent.log())?;
+    ensure!(agent.metric("sidestep_late_exclusions_total")? >= 2.0);
 
     // Out through net1: reaches the far end itself.
     let out = pod.run(&env, APP_UID, &[probe(), "connect", "10.77.0.9:8080"])?;
@@ -488,7 +526,9 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     // net1's subnet route goes with its address: 10.77.0.9 is routed through eth0 again.
     pod.ip(&["addr", "del", "10.77.0.2/24", "dev", "net1"])?;
     wait_until("the removed route followed", bound, || {
-        Ok(agent.log().contains("routes_removed=1"))
+        Ok(!route_entries()?
+            .iter()
+            .any(|e| e["formatted"]["value"].as_u64() == Some(1)))
     })
     .with_context(|| agent.log())?;
     pod.run(&env, APP_UID, &[probe(), "connect", "10.77.0.9:8080"])?;
@@ -499,14 +539,9 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
 
     drop((outbound, inbound, app, far_end));
     node.remove_pod(&pod)?;
-    let route_list = u64::from(2u32.to_be());
     let left: Vec<Value> = map_entries(&env, "SIDESTEP_IFACES")?
         .into_iter()
-        .chain(
-            map_entries(&env, "SIDESTEP_CIDRS")?
-                .into_iter()
-                .filter(|e| e["formatted"]["key"]["data"]["list_be"].as_u64() == Some(route_list)),
-        )
+        .chain(route_entries()?)
         .collect();
     ensure!(left.is_empty(), "left after the DEL of {cookie}: {left:?}");
     node.remove_pod(&peer)?;

@@ -57,6 +57,9 @@ const SUBSCRIBED_GROUPS: u32 = 0x10 | 0x100 | 0x40 | 0x400;
 /// (the pod's socket is not polled meanwhile: an overrun only means "changed").
 pub const MIN_SYNC_INTERVAL: Duration = Duration::from_millis(100);
 
+/// How soon a pod whose sync failed is read again, with or without another change.
+const RETRY_AFTER_ERROR: Duration = Duration::from_secs(1);
+
 #[derive(Debug, thiserror::Error)]
 pub enum FollowError {
     #[error(transparent)]
@@ -104,16 +107,15 @@ pub struct AddressFollower {
     cookie: u64,
     socket: Socket,
     added: BTreeSet<[u32; 4]>,
-    /// When the last sync ended.
-    last_sync: Option<Instant>,
+    /// When the next sync may run: [`MIN_SYNC_INTERVAL`] after the last one ended, or
+    /// [`RETRY_AFTER_ERROR`] after one that failed; `None` before the first.
+    next_sync: Option<Instant>,
     /// Notifications arrived that no sync has read yet.
     pending: bool,
     /// What the last sync left out (addresses, routes), so a warning is given once per change.
     left_out: (usize, usize),
-    /// The interfaces the pod's policy excludes (`excludeInterfaces`), and what is known of
-    /// their entries.
+    /// The interfaces the pod's policy excludes (`excludeInterfaces`).
     excluded: Vec<String>,
-    exclusion: exclusion::Followed,
 }
 
 impl AddressFollower {
@@ -140,11 +142,10 @@ impl AddressFollower {
             cookie,
             socket,
             added: BTreeSet::new(),
-            last_sync: None,
+            next_sync: None,
             pending: false,
             left_out: (0, 0),
             excluded: Vec::new(),
-            exclusion: exclusion::Followed::default(),
         })
     }
 
@@ -230,16 +231,16 @@ impl AddressFollower {
             self.added.insert(*words);
             synced.added.push(words_address(words));
         }
-        synced.source = crate::enroll::source::follow(maps, self.cookie, &facts)?;
-        if !self.excluded.is_empty() {
-            synced.exclusion = exclusion::follow(
-                maps,
-                self.cookie,
-                &facts,
-                &self.excluded,
-                &mut self.exclusion,
-            )?;
-        }
+        // Each step whatever the other's outcome: a failed source step must not leave an
+        // excluded interface's routes as they were.
+        let source = crate::enroll::source::follow(maps, self.cookie, &facts);
+        let exclusion = if self.excluded.is_empty() {
+            Ok(ExclusionChanges::default())
+        } else {
+            exclusion::follow(maps, self.cookie, &facts, &self.excluded)
+        };
+        synced.source = source?;
+        synced.exclusion = exclusion?;
         let left_out = (synced.left_out, synced.source.routes_left_out);
         synced.left_out_changed = std::mem::replace(&mut self.left_out, left_out) != left_out;
         Ok(synced)
@@ -256,16 +257,15 @@ impl AddressFollower {
         Ok(removed)
     }
 
-    /// When the next sync may run.
-    /// Counted from the end of the last sync: a pod whose netns takes long to read is read
-    /// less often, not back to back.
+    /// When the next sync may run. Counted from the end of the last sync: a pod whose netns
+    /// takes long to read is read less often, not back to back.
     fn due(&self) -> Option<Instant> {
-        self.last_sync.map(|at| at + MIN_SYNC_INTERVAL)
+        self.next_sync
     }
 
     /// A follower that never synced (its first sync found no maps) is due at once.
     fn is_due(&self, now: Instant) -> bool {
-        is_due(self.last_sync, now)
+        is_due(self.next_sync, now)
     }
 
     fn remove_own(&self, maps: &mut PolicyMaps, words: &[u32; 4]) -> Result<bool, FollowError> {
@@ -412,13 +412,21 @@ fn sync_one(
         return;
     };
     let result = f.sync(maps);
-    f.last_sync = Some(Instant::now());
+    let now = Instant::now();
     match result {
-        Ok(synced) => on(FollowEvent::Synced(f, &synced)),
-        Err(error) => on(FollowEvent::Failed {
-            path: f.path(),
-            error: &error,
-        }),
+        Ok(synced) => {
+            f.next_sync = Some(now + MIN_SYNC_INTERVAL);
+            on(FollowEvent::Synced(f, &synced));
+        }
+        Err(error) => {
+            // Read again even without another change: what failed may be half written.
+            f.next_sync = Some(now + RETRY_AFTER_ERROR);
+            f.pending = true;
+            on(FollowEvent::Failed {
+                path: f.path(),
+                error: &error,
+            });
+        }
     }
 }
 
@@ -458,8 +466,8 @@ fn wait_readable(
         .collect()
 }
 
-fn is_due(last_sync: Option<Instant>, now: Instant) -> bool {
-    last_sync.is_none_or(|at| at + MIN_SYNC_INTERVAL <= now)
+fn is_due(next_sync: Option<Instant>, now: Instant) -> bool {
+    next_sync.is_none_or(|at| at <= now)
 }
 
 #[cfg(test)]
@@ -467,11 +475,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_sync_is_due_an_interval_after_the_last_or_at_once_without_one() {
+    fn a_sync_is_due_at_its_time_or_at_once_without_one() {
         let now = Instant::now();
+        let next = now + MIN_SYNC_INTERVAL;
         assert!(is_due(None, now));
-        assert!(!is_due(Some(now), now));
-        assert!(!is_due(Some(now), now + MIN_SYNC_INTERVAL / 2));
-        assert!(is_due(Some(now), now + MIN_SYNC_INTERVAL));
+        assert!(!is_due(Some(next), now));
+        assert!(!is_due(Some(next), now + MIN_SYNC_INTERVAL / 2));
+        assert!(is_due(Some(next), next));
     }
 }

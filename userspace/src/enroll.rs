@@ -352,11 +352,7 @@ fn write_netns_keys(
         }
     }
     source::write_routes(maps, netns_cookie, &keys.source_routes, was_enrolled)?;
-    let routes: Vec<(u32, CidrKey, u8)> = keys
-        .routes
-        .iter()
-        .filter_map(|r| route_entry(netns_cookie, r, &keys.excluded_ifindexes))
-        .collect();
+    let routes = exclusion::route_entries(netns_cookie, &keys.routes, &keys.excluded_ifindexes);
     for (bits, data, via) in &routes {
         maps.cidrs
             .insert(&Key::new(*bits, *data), *via, 0)

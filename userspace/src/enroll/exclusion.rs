@@ -7,38 +7,29 @@
 //! included, has run, so the interface an operator excludes is usually not there yet. The agent's
 //! address follower calls [`follow`] on each address or route change of such a pod.
 //!
-//! The entries are the pod's: `follow` writes what the netns asks for and removes route entries
-//! the netns no longer has, whoever wrote them; it removes only the interface entries it wrote.
-//! DEL scans both maps for a pod whose policy excludes interfaces (no record names what the
-//! follower wrote), and a sync that finds its pod unenrolled after writing removes what it wrote.
+//! The entries are the pod's: `follow` reads them from the maps at every call (a re-enrolment may
+//! have rewritten them) and makes them what the netns asks for, whoever wrote them. DEL scans
+//! both maps for a pod whose policy excludes interfaces (no record names what the follower
+//! wrote), and a call that finds its pod unenrolled after writing removes what it wrote.
 
 use aya::maps::lpm_trie::Key;
-use sidestep_abi::{CidrKey, InterfaceKey, cidr_list, iface_kind, map_names};
+use sidestep_abi::{CidrKey, InterfaceKey, cidr_list, iface_kind, map_names, route_via};
 
-use super::{NetnsFacts, limits::exclusion_routes, route_entry, unenroll::cidr_keys};
+use super::{NetnsFacts, Route, limits::exclusion_routes, route_entry, unenroll::cidr_keys};
 use crate::{
     error::MapsError,
     maps::{PolicyMaps, classify},
 };
 
 /// A `ROUTE` list entry: (prefix bits, key, `route_via` value).
-type RouteEntry = (u32, CidrKey, u8);
-
-/// What one follower knows of a pod's exclusion entries between its syncs.
-#[derive(Debug, Default)]
-pub struct Followed {
-    /// Interface entries this follower wrote.
-    interfaces: Vec<u32>,
-    /// The pod's `ROUTE` list entries: read by a scan at the first sync, kept since.
-    routes: Option<Vec<RouteEntry>>,
-}
+pub(crate) type RouteEntry = (u32, CidrKey, u8);
 
 /// What [`follow`] changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExclusionChanges {
     /// Excluded interfaces (ifindexes) that appeared, now left out of capture.
     pub interfaces_added: Vec<u32>,
-    /// Entries of excluded interfaces that are gone, removed.
+    /// Entries of excluded interfaces that are gone (or renamed), removed.
     pub interfaces_removed: usize,
     /// Route entries written (new, or now through another kind of interface).
     pub routes_written: usize,
@@ -55,13 +46,43 @@ impl ExclusionChanges {
     }
 }
 
+/// The `ROUTE` list entries for `routes`, one per prefix. Of several routes to one prefix (eth0's
+/// and a Multus network's default route, `fe80::/64` on every interface) the kernel takes the
+/// lowest metric; where that ties, the entry says "other", so the connection is captured.
+pub(crate) fn route_entries(
+    netns_cookie: u64,
+    routes: &[Route],
+    excluded_ifindexes: &[u32],
+) -> Vec<RouteEntry> {
+    // (metric, entry), one per prefix; at most MAX_EXCLUSION_ROUTES of them.
+    let mut best: Vec<(u32, RouteEntry)> = Vec::new();
+    for route in exclusion_routes(routes) {
+        let Some(entry @ (bits, data, via)) = route_entry(netns_cookie, route, excluded_ifindexes)
+        else {
+            continue;
+        };
+        match best
+            .iter_mut()
+            .find(|(_, (b, d, _))| (*b, *d) == (bits, data))
+        {
+            Some((metric, kept)) => {
+                if route.metric < *metric || (route.metric == *metric && via == route_via::OTHER) {
+                    *metric = route.metric;
+                    *kept = entry;
+                }
+            }
+            None => best.push((route.metric, entry)),
+        }
+    }
+    best.into_iter().map(|(_, entry)| entry).collect()
+}
+
 /// Makes the pod's excluded-interface entries match `facts` for the interfaces `excluded` names.
 pub(crate) fn follow(
     maps: &mut PolicyMaps,
     netns_cookie: u64,
     facts: &NetnsFacts,
     excluded: &[String],
-    followed: &mut Followed,
 ) -> Result<ExclusionChanges, MapsError> {
     let mut changes = ExclusionChanges::default();
     let present: Vec<u32> = excluded.iter().filter_map(|n| facts.ifindex(n)).collect();
@@ -70,6 +91,27 @@ pub(crate) fn follow(
         ifindex,
         _reserved: 0,
     };
+    // Routes first: an interface entry without its routes only leaves inbound out.
+    let wanted = route_entries(netns_cookie, &facts.routes, &present);
+    let have = pod_route_entries(maps, netns_cookie);
+    let mut written: Vec<RouteEntry> = Vec::new();
+    for entry @ (bits, data, via) in &wanted {
+        if have.contains(entry) {
+            continue;
+        }
+        maps.cidrs
+            .insert(&Key::new(*bits, *data), *via, 0)
+            .map_err(|e| classify(map_names::CIDR_RULES, 0, e))?;
+        written.push(*entry);
+    }
+    changes.routes_written = written.len();
+    for (bits, data, _) in &have {
+        if !wanted.iter().any(|(b, d, _)| (b, d) == (bits, data))
+            && maps.cidrs.remove(&Key::new(*bits, *data)).is_ok()
+        {
+            changes.routes_removed += 1;
+        }
+    }
     for &ifindex in &present {
         if maps.interfaces.get(&key(ifindex), 0).ok() == Some(iface_kind::EXCLUDED) {
             continue;
@@ -77,58 +119,40 @@ pub(crate) fn follow(
         maps.interfaces
             .insert(key(ifindex), iface_kind::EXCLUDED, 0)
             .map_err(|e| classify(map_names::INTERFACES, 0, e))?;
-        followed.interfaces.push(ifindex);
         changes.interfaces_added.push(ifindex);
     }
-    let gone: Vec<u32> = followed
+    // An excluded interface deleted or renamed: its ifindex no longer names it.
+    let stale: Vec<InterfaceKey> = maps
         .interfaces
         .iter()
-        .copied()
-        .filter(|i| !present.contains(i))
+        .filter_map(Result::ok)
+        .filter(|(k, kind)| {
+            k.netns_cookie == netns_cookie
+                && *kind == iface_kind::EXCLUDED
+                && !present.contains(&k.ifindex)
+        })
+        .map(|(k, _)| k)
         .collect();
-    for ifindex in gone {
-        followed.interfaces.retain(|i| *i != ifindex);
-        if maps.interfaces.get(&key(ifindex), 0).ok() == Some(iface_kind::EXCLUDED)
-            && maps.interfaces.remove(&key(ifindex)).is_ok()
-        {
+    for k in stale {
+        if maps.interfaces.remove(&k).is_ok() {
             changes.interfaces_removed += 1;
         }
     }
-
-    let wanted: Vec<RouteEntry> = exclusion_routes(&facts.routes)
-        .iter()
-        .filter_map(|r| route_entry(netns_cookie, r, &present))
-        .collect();
-    let known = followed
-        .routes
-        .get_or_insert_with(|| route_entries(maps, netns_cookie));
-    for entry @ (bits, data, via) in &wanted {
-        if known.contains(entry) {
-            continue;
-        }
-        maps.cidrs
-            .insert(&Key::new(*bits, *data), *via, 0)
-            .map_err(|e| classify(map_names::CIDR_RULES, 0, e))?;
-        changes.routes_written += 1;
-    }
-    for (bits, data, _) in known.iter() {
-        if !wanted.iter().any(|(b, d, _)| (b, d) == (bits, data))
-            && maps.cidrs.remove(&Key::new(*bits, *data)).is_ok()
-        {
-            changes.routes_removed += 1;
-        }
-    }
-    *known = wanted;
     if changes.changed() && !maps.is_enrolled(netns_cookie)? {
         // The pod's DEL ran meanwhile; its scan may have come before these writes.
-        undo(maps, netns_cookie, followed);
+        for ifindex in &changes.interfaces_added {
+            let _ = maps.interfaces.remove(&key(*ifindex));
+        }
+        for (bits, data, _) in &written {
+            let _ = maps.cidrs.remove(&Key::new(*bits, *data));
+        }
         return Ok(ExclusionChanges::default());
     }
     Ok(changes)
 }
 
 /// The pod's `ROUTE` list entries, by a scan of the trie.
-fn route_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<RouteEntry> {
+fn pod_route_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<RouteEntry> {
     let route_list = cidr_list::ROUTE.to_be();
     cidr_keys(maps, netns_cookie)
         .into_iter()
@@ -140,16 +164,52 @@ fn route_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<RouteEntry> {
         .collect()
 }
 
-/// Removes what the follower wrote and the route entries it knows of.
-fn undo(maps: &mut PolicyMaps, netns_cookie: u64, followed: &mut Followed) {
-    for ifindex in std::mem::take(&mut followed.interfaces) {
-        let _ = maps.interfaces.remove(&InterfaceKey {
-            netns_cookie,
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+
+    fn route(destination: &str, prefix_len: u8, ifindex: u32, metric: u32) -> Route {
+        Route {
+            destination: destination.parse::<IpAddr>().unwrap(),
+            prefix_len,
             ifindex,
-            _reserved: 0,
-        });
+            metric,
+        }
     }
-    for (bits, data, _) in followed.routes.take().unwrap_or_default() {
-        let _ = maps.cidrs.remove(&Key::new(bits, data));
+
+    #[test]
+    fn of_routes_to_one_prefix_the_lowest_metric_decides_and_a_tie_captures() {
+        let (eth0, net1) = (2, 3);
+        let via = |routes: &[Route]| -> Vec<u8> {
+            route_entries(7, routes, &[net1])
+                .iter()
+                .map(|(_, _, via)| *via)
+                .collect()
+        };
+        // Multus's default route through net1 behind eth0's.
+        let defaults = [route("0.0.0.0", 0, eth0, 0), route("0.0.0.0", 0, net1, 100)];
+        assert_eq!(via(&defaults), [route_via::OTHER]);
+        let reversed = [route("0.0.0.0", 0, net1, 100), route("0.0.0.0", 0, eth0, 0)];
+        assert_eq!(via(&reversed), [route_via::OTHER]);
+        // net1's in front.
+        let net1_first = [
+            route("0.0.0.0", 0, eth0, 200),
+            route("0.0.0.0", 0, net1, 100),
+        ];
+        assert_eq!(via(&net1_first), [route_via::EXCLUDED]);
+        // fe80::/64 on both at one metric: captured.
+        let link_local = [
+            route("fe80::", 64, net1, 256),
+            route("fe80::", 64, eth0, 256),
+        ];
+        assert_eq!(via(&link_local), [route_via::OTHER]);
+        // Distinct prefixes stay distinct.
+        let two = [
+            route("10.77.0.0", 24, net1, 0),
+            route("10.0.0.0", 8, eth0, 0),
+        ];
+        assert_eq!(via(&two), [route_via::EXCLUDED, route_via::OTHER]);
     }
 }

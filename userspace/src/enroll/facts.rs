@@ -27,6 +27,10 @@ pub struct Route {
     pub destination: IpAddr,
     pub prefix_len: u8,
     pub ifindex: u32,
+    /// Its metric (`RTA_PRIORITY`): of routes to one prefix the kernel takes the lowest. Absent
+    /// in records of older versions.
+    #[serde(default)]
+    pub metric: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -159,8 +163,10 @@ fn unicast_route(r: &RouteMessage) -> Option<Route> {
     let mut table = u32::from(r.header.table);
     let mut destination = None;
     let mut ifindex = None;
+    let mut metric = 0;
     for a in &r.attributes {
         match a {
+            RouteAttribute::Priority(p) => metric = *p,
             RouteAttribute::Table(t) => table = *t,
             RouteAttribute::Destination(RouteAddress::Inet(v4)) => {
                 destination = Some(IpAddr::V4(*v4));
@@ -187,6 +193,7 @@ fn unicast_route(r: &RouteMessage) -> Option<Route> {
         destination,
         prefix_len: r.header.destination_prefix_length,
         ifindex: ifindex?,
+        metric,
     })
 }
 

@@ -54,6 +54,7 @@ mod tests {
             destination: IpAddr::from([10, 100, (i / 256) as u8, (i % 256) as u8]),
             prefix_len: 32,
             ifindex: 3,
+            metric: 0,
         };
         let at_cap: Vec<Route> = (0..MAX_EXCLUSION_ROUTES as u32).map(route).collect();
         assert_eq!(exclusion_routes(&at_cap), at_cap);

@@ -381,6 +381,7 @@ mod tests {
                 destination: d.parse().unwrap(),
                 prefix_len: *l,
                 ifindex: *i,
+                metric: 0,
             })
             .collect(),
         }
