@@ -29,7 +29,10 @@ use sidestep_abi::{
 pub use unenroll::{
     Recorded, unenroll, unenroll_attachment, unenroll_by_cookie, unenroll_cookie, unenroll_recorded,
 };
-use unenroll::{cidr_keys, port_keys, remove_addresses, remove_interfaces, remove_reroute};
+use unenroll::{
+    cidr_keys, interface_entries, port_keys, remove_addresses, remove_interfaces, remove_reroute,
+    route_list_keys,
+};
 
 use crate::{
     error::{EnrollError, MapsError},
@@ -359,9 +362,8 @@ fn write_netns_keys(
             .map_err(|e| classify(map_names::CIDR_RULES, 0, e))?;
     }
     if was_enrolled {
-        let route_list = cidr_list::ROUTE.to_be();
-        for (bits, data) in cidr_keys(maps, netns_cookie) {
-            if data.list_be == route_list && !routes.iter().any(|r| (r.0, r.1) == (bits, data)) {
+        for (bits, data) in route_list_keys(maps, netns_cookie) {
+            if !routes.iter().any(|r| (r.0, r.1) == (bits, data)) {
                 let _ = maps.cidrs.remove(&Key::new(bits, data));
             }
         }
@@ -371,18 +373,10 @@ fn write_netns_keys(
             .chain(&keys.rerouted_ifindexes)
             .copied()
             .collect();
-        let stale: Vec<InterfaceKey> = maps
-            .interfaces
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, kind)| {
-                k.netns_cookie == netns_cookie
-                    && *kind != iface_kind::TC
-                    && !wanted.contains(&k.ifindex)
-            })
-            .map(|(k, _)| k)
-            .collect();
-        for key in stale {
+        let stale = interface_entries(maps, netns_cookie)
+            .into_iter()
+            .filter(|(k, kind)| *kind != iface_kind::TC && !wanted.contains(&k.ifindex));
+        for (key, _) in stale {
             let _ = maps.interfaces.remove(&key);
         }
     }

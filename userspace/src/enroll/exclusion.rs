@@ -13,9 +13,14 @@
 //! wrote), and a call that finds its pod unenrolled after writing removes what it wrote.
 
 use aya::maps::lpm_trie::Key;
-use sidestep_abi::{CidrKey, InterfaceKey, cidr_list, iface_kind, map_names, route_via};
+use sidestep_abi::{CidrKey, InterfaceKey, iface_kind, map_names, route_via};
 
-use super::{NetnsFacts, Route, limits::exclusion_routes, route_entry, unenroll::cidr_keys};
+use super::{
+    NetnsFacts, Route,
+    limits::exclusion_routes,
+    route_entry,
+    unenroll::{interface_entries, route_list_keys},
+};
 use crate::{
     error::MapsError,
     maps::{PolicyMaps, classify},
@@ -122,18 +127,10 @@ pub(crate) fn follow(
         changes.interfaces_added.push(ifindex);
     }
     // An excluded interface deleted or renamed: its ifindex no longer names it.
-    let stale: Vec<InterfaceKey> = maps
-        .interfaces
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(k, kind)| {
-            k.netns_cookie == netns_cookie
-                && *kind == iface_kind::EXCLUDED
-                && !present.contains(&k.ifindex)
-        })
-        .map(|(k, _)| k)
-        .collect();
-    for k in stale {
+    let stale = interface_entries(maps, netns_cookie)
+        .into_iter()
+        .filter(|(k, kind)| *kind == iface_kind::EXCLUDED && !present.contains(&k.ifindex));
+    for (k, _) in stale {
         if maps.interfaces.remove(&k).is_ok() {
             changes.interfaces_removed += 1;
         }
@@ -153,10 +150,8 @@ pub(crate) fn follow(
 
 /// The pod's `ROUTE` list entries, by a scan of the trie.
 fn pod_route_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<RouteEntry> {
-    let route_list = cidr_list::ROUTE.to_be();
-    cidr_keys(maps, netns_cookie)
+    route_list_keys(maps, netns_cookie)
         .into_iter()
-        .filter(|(_, data)| data.list_be == route_list)
         .filter_map(|(bits, data)| {
             let via = maps.cidrs.get(&Key::new(bits, data), 0).ok()?;
             Some((bits, data, via))

@@ -174,6 +174,24 @@ pub(super) fn port_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<PortKey> {
         .collect()
 }
 
+/// The pod's keys of the `ROUTE` list (`-o <nic>` for excluded interfaces).
+pub(super) fn route_list_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(u32, CidrKey)> {
+    let route_list = cidr_list::ROUTE.to_be();
+    cidr_keys(maps, netns_cookie)
+        .into_iter()
+        .filter(|(_, data)| data.list_be == route_list)
+        .collect()
+}
+
+/// The pod's `SIDESTEP_IFACES` entries: (key, kind).
+pub(super) fn interface_entries(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(InterfaceKey, u8)> {
+    maps.interfaces
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, _)| k.netns_cookie == netns_cookie)
+        .collect()
+}
+
 pub(super) fn cidr_keys(maps: &PolicyMaps, netns_cookie: u64) -> Vec<(u32, CidrKey)> {
     let want = CidrKey::new(netns_cookie, 0, [0; 16]).netns_cookie;
     maps.cidrs
@@ -296,7 +314,18 @@ pub fn unenroll_recorded(
     if followed_routes {
         remove_source_routes(maps, netns_cookie, |_| true, &mut first);
     }
-    match recorded.inbound_ifindexes {
+    // The agent's follower writes the entries of excluded interfaces that appear after the ADD
+    // (Multus attaches them after this chain ran) and of their routes; no record names them.
+    let follower_wrote = !recorded.policy.exclude_interfaces.is_empty();
+    if follower_wrote {
+        for (bits, data) in route_list_keys(maps, netns_cookie) {
+            first.note(deleted(
+                map_names::CIDR_RULES,
+                maps.cidrs.remove(&Key::new(bits, data)),
+            ));
+        }
+    }
+    match recorded.inbound_ifindexes.filter(|_| !follower_wrote) {
         Some(ifindexes) => {
             for &ifindex in ifindexes {
                 let key = InterfaceKey {
@@ -308,20 +337,6 @@ pub fn unenroll_recorded(
             }
         }
         None => first.note(remove_interfaces(maps, netns_cookie, &[])),
-    }
-    // The agent's follower writes the entries of excluded interfaces that appear after the ADD
-    // (Multus attaches them after this chain ran) and of their routes; no record names them.
-    if !recorded.policy.exclude_interfaces.is_empty() {
-        first.note(remove_interfaces(maps, netns_cookie, &[]));
-        let route_list = cidr_list::ROUTE.to_be();
-        for (bits, data) in cidr_keys(maps, netns_cookie) {
-            if data.list_be == route_list {
-                first.note(deleted(
-                    map_names::CIDR_RULES,
-                    maps.cidrs.remove(&Key::new(bits, data)),
-                ));
-            }
-        }
     }
     // Only pods with re-routed interfaces (VMs) have these; for them the scan stays, since the
     // keys depend on what the netns held at enrolment, and no record says it.
