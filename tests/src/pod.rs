@@ -143,6 +143,17 @@ impl Pod {
         crate::util::cmd(&argv)
     }
 
+    /// A second interface as Multus would leave it: a veth `name` with `cidr` (not every kernel
+    /// has the dummy driver), its peer `<name>-peer` up in the pod without an address.
+    pub fn add_veth(&self, name: &str, cidr: &str) -> Result<()> {
+        let peer = format!("{name}-peer");
+        self.ip(&["link", "add", name, "type", "veth", "peer", "name", &peer])?;
+        self.ip(&["addr", "add", cidr, "dev", name])?;
+        self.ip(&["link", "set", &peer, "up"])?;
+        self.ip(&["link", "set", name, "up"])?;
+        Ok(())
+    }
+
     /// The IPv6 link-local address of `dev` in the pod's netns.
     pub fn link_local(&self, dev: &str) -> Result<Ipv6Addr> {
         let out = self.ip(&["-6", "-o", "addr", "show", "dev", dev, "scope", "link"])?;

@@ -164,15 +164,7 @@ fn an_interface_attached_after_the_add_gives_its_routes_their_source() -> Result
         "a single-homed pod has no source routes"
     );
 
-    // A veth pair inside the pod (not every kernel has the dummy driver); the peer stays
-    // without an address.
-    let veth: Vec<&str> = "link add net1 type veth peer name net1-peer"
-        .split(' ')
-        .collect();
-    pod.ip(&veth)?;
-    pod.ip(&["addr", "add", "10.77.0.2/24", "dev", "net1"])?;
-    pod.ip(&["link", "set", "net1-peer", "up"])?;
-    pod.ip(&["link", "set", "net1", "up"])?;
+    pod.add_veth("net1", "10.77.0.2/24")?;
     pod.ip(&["route", "add", "10.88.0.0/16", "dev", "net1"])?;
     let bound = Duration::from_secs(3);
     // Two routes through net1: its subnet's and 10.88/16.
@@ -323,6 +315,103 @@ fn a_pod_flooding_its_netns_with_addresses_does_not_fill_the_nodes_map() -> Resu
     node.remove_pod(&pod)?;
     wait_until("the DEL's cleanup", bound, || Ok(held()?.is_empty()))
         .with_context(|| format!("left: {:?}", held()))?;
+    agent_support::uninstall(&env, &d)?;
+    Ok(())
+}
+
+/// Many pods flooding their netns at once: each stays within the per-pod cap, yet enough of them
+/// would fill the node's address map. The agent registers at most `late-address-budget`
+/// addresses gained after enrolment for all pods together; the pod past it is told in the log,
+/// and takes its share once room frees.
+#[test]
+fn a_node_wide_budget_bounds_what_flooding_pods_register() -> Result<()> {
+    if skip_unless_root("a_node_wide_budget_bounds_what_flooding_pods_register") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-addrbudget")?;
+    let d = Dirs::new(&env)?;
+    let budget = 100;
+    let (agent, node) =
+        d.ready_agent_and_node_with(&env, &["--late-address-budget", &budget.to_string()])?;
+    let first = node.add_pod_with("flood-a", meshed())?;
+    let second = node.add_pod_with("flood-b", meshed())?;
+    // Each pod's cookie: the value of its pod IP's entry. IPv4-mapped keys hold the address
+    // in their last word, its octets in memory order.
+    let word = |ip: std::net::Ipv4Addr| u64::from(u32::from_ne_bytes(ip.octets()));
+    let all = map_entries(&env, "SIDESTEP_ADDRS")?;
+    let cookie_of = |pod: &sidestep_tests::Pod| -> Result<Value> {
+        all.iter()
+            .find(|e| e["formatted"]["key"][3].as_u64() == Some(word(pod.ipv4)))
+            .map(|e| e["formatted"]["value"].clone())
+            .with_context(|| format!("{} has no address entry", pod.name))
+    };
+    let cookies = [cookie_of(&first)?, cookie_of(&second)?];
+    let held = || -> Result<[usize; 2]> {
+        let all = map_entries(&env, "SIDESTEP_ADDRS")?;
+        let count = |c: &Value| all.iter().filter(|e| e["formatted"]["value"] == *c).count();
+        Ok([count(&cookies[0]), count(&cookies[1])])
+    };
+    let flood = |pod: &sidestep_tests::Pod, verb: &str, third_octet: u8| -> Result<()> {
+        let batch = env.tmp_dir().join(format!("{}-{verb}.batch", pod.name));
+        let lines: String = (1..=80)
+            .map(|i| format!("addr {verb} 10.250.{third_octet}.{i}/32 dev eth0\n"))
+            .collect();
+        std::fs::write(&batch, lines)?;
+        pod.ip(&["-batch", &batch.display().to_string()])?;
+        Ok(())
+    };
+    let bound = sidestep_tests::scaled(Duration::from_secs(15));
+
+    // What the followers hold now, by the agent's own counters.
+    let registered = || -> Result<f64> {
+        Ok(agent.metric("sidestep_late_addresses_added_total")?
+            - agent.metric("sidestep_late_addresses_removed_total")?)
+    };
+    // userspace/src/enroll/limits.rs, MAX_POD_ADDRESSES.
+    let cap = 64;
+
+    // The first pod reaches its own cap; the budget has room left.
+    flood(&first, "add", 1)?;
+    wait_until("the first pod's flood followed", bound, || {
+        Ok(held()?[0] == cap)
+    })
+    .with_context(|| format!("held {:?}: {}", held(), agent.log()))?;
+    // The second gets the rest of the budget, though its own cap has room for more.
+    flood(&second, "add", 2)?;
+    let spent = "budget for addresses pods gained after enrolment is spent";
+    wait_until(
+        "the second pod's flood followed within the budget",
+        bound,
+        || Ok(registered()? == budget as f64 && agent.log().contains(spent)),
+    )
+    .with_context(|| {
+        format!(
+            "held {:?}, {:?} registered: {}",
+            held(),
+            registered(),
+            agent.log()
+        )
+    })?;
+    std::thread::sleep(Duration::from_millis(300));
+    let [a, b] = held()?;
+    ensure!(
+        registered()? == budget as f64 && a == cap && b < cap,
+        "{:?} registered past a budget of {budget}; held {a} and {b}",
+        registered()
+    );
+
+    // The first pod's flood goes: the second takes its share up to its own cap.
+    flood(&first, "del", 1)?;
+    wait_until("the freed budget taken", bound, || Ok(held()?[1] == cap))
+        .with_context(|| format!("held {:?}: {}", held(), agent.log()))?;
+    ensure!(
+        registered()? <= budget as f64,
+        "{:?} registered",
+        registered()
+    );
+
+    node.remove_pod(&second)?;
+    node.remove_pod(&first)?;
     agent_support::uninstall(&env, &d)?;
     Ok(())
 }

@@ -289,7 +289,7 @@ fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() ->
         .collect();
     std::fs::write(&flood, lines)?;
     pod.ip(&["-batch", &flood.display().to_string()])?;
-    add_net1(&pod)?;
+    pod.add_veth("net1", "10.77.0.2/24")?;
     // And more routes through net1 than one pod's source routes may be.
     let routes: String = (0..100)
         .map(|i| format!("route add 10.100.{i}.0/24 dev net1\n"))
@@ -339,103 +339,5 @@ fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() ->
     );
     loaded.unenroll(&pod)?;
     loaded.unload()?;
-    Ok(())
-}
-
-/// A pod with an excluded interface whose netns holds more routes than one pod may write for
-/// `-o <nic>`: none is written (a part could let a destination fall to an excluded interface's
-/// shorter prefix and pass), so the shared CIDR trie keeps its room and the pod stays captured.
-#[test]
-fn a_flood_of_routes_writes_no_exclusion_routes() -> Result<()> {
-    if skip_unless_root("a_flood_of_routes_writes_no_exclusion_routes") {
-        return Ok(());
-    }
-    let env = TestEnv::new("routecap")?;
-    let node = Node::new(&env, NodeOptions::ipv4_only())?;
-    let pod = node.add_pod("routed")?;
-    let loaded = Loaded::load(&env)?;
-    add_net1(&pod)?;
-    let policy = env.tmp_dir().join("exclude-net1.json");
-    std::fs::write(&policy, r#"{"excludeInterfaces": ["net1"]}"#)?;
-    let policy = policy.display().to_string();
-    let trie = env
-        .pin_root()
-        .join("maps/SIDESTEP_CIDRS")
-        .display()
-        .to_string();
-    // Entries of the ROUTE list (ebpf/sidestep-abi, cidr_list::ROUTE = 2, stored big-endian).
-    let written = || -> Result<usize> {
-        Ok(bpftool(&["map", "dump", "pinned", &trie, "--json"])?
-            .as_array()
-            .map_or(0, |all| {
-                all.iter()
-                    .filter(|e| {
-                        e["formatted"]["key"]["data"]["list_be"].as_u64()
-                            == Some(u64::from(2u32.to_be()))
-                    })
-                    .count()
-            }))
-    };
-
-    // A few routes: each is written, the excluded interface's among them.
-    loaded.enroll(&pod, &["--policy", &policy])?;
-    let few = written()?;
-    ensure!(
-        few >= 2,
-        "{few} routes written for a pod with an excluded interface"
-    );
-
-    let batch = env.tmp_dir().join("routes.batch");
-    let routes: String = (0..300)
-        .map(|i| format!("route add 10.100.{}.{}/32 dev net1\n", i / 256, i % 256))
-        .collect();
-    std::fs::write(&batch, routes)?;
-    pod.ip(&["-batch", &batch.display().to_string()])?;
-    loaded.enroll(&pod, &["--policy", &policy])?;
-    // userspace/src/enroll/limits.rs, MAX_EXCLUSION_ROUTES (256).
-    let flooded = written()?;
-    ensure!(
-        flooded == 0,
-        "{flooded} routes written for a pod past the cap of 256"
-    );
-    // Fail closed: the app's connection to a destination routed through net1 is captured.
-    let probe = env!("CARGO_BIN_EXE_probe");
-    let outbound = std::net::SocketAddr::from(([0, 0, 0, 0], 15001));
-    let mut proxy = pod.spawn(
-        &env,
-        sidestep_tests::Spawn::new(&[probe, "proxy", &outbound.to_string(), "-", "--no-forward"])
-            .user(1337, 1337),
-    )?;
-    sidestep_tests::wait_listening(&mut proxy, &[outbound], std::time::Duration::from_secs(5))?;
-    let out = pod.run(&env, 1000, &[probe, "connect", "10.100.0.7:8080"])?;
-    ensure!(
-        out.status.success(),
-        "connect through net1: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    while !proxy.stdout().contains("10.100.0.7:8080") {
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "not captured: {}",
-            proxy.stdout()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    drop(proxy);
-    loaded.unenroll(&pod)?;
-    loaded.unload()?;
-    Ok(())
-}
-
-/// A second interface in the pod, `net1` with 10.77.0.2/24 (a veth: not every kernel has the
-/// dummy driver), its peer left without an address.
-fn add_net1(pod: &sidestep_tests::Pod) -> Result<()> {
-    let veth: Vec<&str> = "link add net1 type veth peer name net1-peer"
-        .split(' ')
-        .collect();
-    pod.ip(&veth)?;
-    pod.ip(&["addr", "add", "10.77.0.2/24", "dev", "net1"])?;
-    pod.ip(&["link", "set", "net1", "up"])?;
     Ok(())
 }

@@ -57,6 +57,14 @@ const SUBSCRIBED_GROUPS: u32 = 0x10 | 0x100 | 0x40 | 0x400;
 /// (the pod's socket is not polled meanwhile: an overrun only means "changed").
 pub const MIN_SYNC_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The most addresses the followers of a node register together, by default: a quarter of
+/// `SIDESTEP_ADDRS`. [`MAX_POD_ADDRESSES`] bounds one pod, but 256 pods whose root floods their
+/// netns would still fill the map that every pod of the node shares, and every later ADD on the
+/// node would fail. Enrolment's entries (each pod's own addresses at its ADD) do not count: the
+/// rest of the map stays theirs. An address past the budget fails closed, as one past the
+/// pod's cap does.
+pub const DEFAULT_LATE_ADDRESS_BUDGET: usize = sidestep_abi::capacity::ADDRESSES as usize / 4;
+
 /// How soon a pod whose sync failed is read again, with or without another change.
 const RETRY_AFTER_ERROR: Duration = Duration::from_secs(1);
 
@@ -79,8 +87,10 @@ pub struct Synced {
     pub removed: Vec<IpAddr>,
     /// Addresses of the netns that another live pod holds in the map (left to it).
     pub held_by_others: Vec<(IpAddr, u64)>,
-    /// Addresses of the netns beyond [`MAX_POD_ADDRESSES`], not written.
+    /// Addresses of the netns beyond [`MAX_POD_ADDRESSES`] or the node's budget, not written.
     pub left_out: usize,
+    /// Of those, the ones the pod's cap had room for and the node's budget did not.
+    pub over_budget: usize,
     /// What was left out (addresses or source routes) differs from the sync before: a warning
     /// is due once per change, not at every sync of a flooded pod that churns.
     pub left_out_changed: bool,
@@ -112,8 +122,9 @@ pub struct AddressFollower {
     next_sync: Option<Instant>,
     /// Notifications arrived that no sync has read yet.
     pending: bool,
-    /// What the last sync left out (addresses, routes), so a warning is given once per change.
-    left_out: (usize, usize),
+    /// What the last sync left out (addresses, of them over the node's budget, routes), so a
+    /// warning is given once per change.
+    left_out: (usize, usize, usize),
     /// The interfaces the pod's policy excludes (`excludeInterfaces`).
     excluded: Vec<String>,
 }
@@ -144,7 +155,7 @@ impl AddressFollower {
             added: BTreeSet::new(),
             next_sync: None,
             pending: false,
-            left_out: (0, 0),
+            left_out: (0, 0, 0),
             excluded: Vec::new(),
         })
     }
@@ -186,8 +197,14 @@ impl AddressFollower {
     /// Makes `SIDESTEP_ADDRS` hold every address the netns has now (lo's aside: the programs
     /// know loopback themselves), for this pod, up to [`MAX_POD_ADDRESSES`] of them, and drops
     /// the entries this follower added for addresses the netns no longer has. (Enrolment's entries
-    /// for addresses since gone stay until the DEL: one pod holds at most twice the cap.)
-    pub fn sync(&mut self, maps: &mut PolicyMaps) -> Result<Synced, FollowError> {
+    /// for addresses since gone stay until the DEL: one pod holds at most twice the cap.) The
+    /// follower holds at most `budget_left` entries it added: the node's budget less what the
+    /// other followers hold.
+    pub fn sync(
+        &mut self,
+        maps: &mut PolicyMaps,
+        budget_left: usize,
+    ) -> Result<Synced, FollowError> {
         self.pending = false;
         let mut synced = Synced::default();
         if !maps.is_enrolled(self.cookie)? {
@@ -221,8 +238,11 @@ impl AddressFollower {
                 _ => new.push(*words),
             }
         }
-        let room = MAX_POD_ADDRESSES.saturating_sub(held);
+        let pod_room = MAX_POD_ADDRESSES.saturating_sub(held);
+        let node_room = budget_left.saturating_sub(self.added.len());
+        let room = pod_room.min(node_room);
         synced.left_out = new.len().saturating_sub(room);
+        synced.over_budget = new.len().min(pod_room).saturating_sub(room);
         new.truncate(room);
         for words in &new {
             maps.addresses
@@ -241,7 +261,11 @@ impl AddressFollower {
         };
         synced.source = source?;
         synced.exclusion = exclusion?;
-        let left_out = (synced.left_out, synced.source.routes_left_out);
+        let left_out = (
+            synced.left_out,
+            synced.over_budget,
+            synced.source.routes_left_out,
+        );
         synced.left_out_changed = std::mem::replace(&mut self.left_out, left_out) != left_out;
         Ok(synced)
     }
@@ -298,11 +322,13 @@ pub enum FollowEvent<'a> {
 
 /// Follows the netns that `wanted` names, each with the interfaces its pod's policy excludes,
 /// re-asked every `refresh` (a follower starts for each new path and stops, releasing its
-/// entries, for each path no longer named), until `keep_going` says no. Blocks the calling
-/// thread; the agent runs it on a thread of its own.
+/// entries, for each path no longer named), until `keep_going` says no. All followers together
+/// register at most `budget` addresses. Blocks the calling thread; the agent runs it on a thread
+/// of its own.
 pub fn follow(
     pin_root: &Path,
     refresh: Duration,
+    budget: usize,
     mut wanted: impl FnMut() -> BTreeMap<PathBuf, Vec<String>>,
     mut keep_going: impl FnMut() -> bool,
     mut on: impl FnMut(FollowEvent<'_>),
@@ -354,7 +380,13 @@ pub fn follow(
                     f.excluded = excluded;
                     on(FollowEvent::Started(&f));
                     // What changed between enrolment and now.
-                    sync_one(&mut f, maps.as_mut(), &mut on);
+                    let others = registered(&followers);
+                    sync_one(
+                        &mut f,
+                        maps.as_mut(),
+                        budget.saturating_sub(others),
+                        &mut on,
+                    );
                     followers.insert(path, f);
                 }
                 Err(error) => {
@@ -390,9 +422,19 @@ pub fn follow(
             }
         }
         let now = Instant::now();
+        let mut total = registered(&followers);
+        if total < budget {
+            // Room freed (a pod lost addresses, or went): a pod left over the budget takes its
+            // share without waiting for a change of its own.
+            for f in followers.values_mut().filter(|f| f.left_out.1 > 0) {
+                f.pending = true;
+            }
+        }
         for f in followers.values_mut() {
             if f.pending && f.is_due(now) {
-                sync_one(f, maps.as_mut(), &mut on);
+                let others = total - f.added.len();
+                sync_one(f, maps.as_mut(), budget.saturating_sub(others), &mut on);
+                total = others + f.added.len();
             }
         }
     }
@@ -403,15 +445,21 @@ pub fn follow(
     }
 }
 
+/// The addresses the followers registered, all together (what the node's budget counts).
+fn registered(followers: &BTreeMap<PathBuf, AddressFollower>) -> usize {
+    followers.values().map(|f| f.added.len()).sum()
+}
+
 fn sync_one(
     f: &mut AddressFollower,
     maps: Option<&mut PolicyMaps>,
+    budget_left: usize,
     on: &mut impl FnMut(FollowEvent<'_>),
 ) {
     let Some(maps) = maps else {
         return;
     };
-    let result = f.sync(maps);
+    let result = f.sync(maps, budget_left);
     let now = Instant::now();
     match result {
         Ok(synced) => {

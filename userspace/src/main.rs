@@ -78,6 +78,9 @@ enum Command {
         /// An enrolled netns to follow (repeatable).
         #[arg(long = "netns", required = true)]
         netns: Vec<PathBuf>,
+        /// The most addresses gained after enrolment registered for all of them together.
+        #[arg(long, default_value_t = sidestep::addrfollow::DEFAULT_LATE_ADDRESS_BUDGET)]
+        late_address_budget: usize,
     },
     /// Turn a pod's verdict log on (or off with --off), and/or print the verdicts of every pod
     /// whose log is on (--follow, until interrupted). The annotation `sidestep.io/debug: "true"`
@@ -337,7 +340,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 netns.display()
             );
         }
-        Command::FollowAddresses { pin_root, netns } => follow_addresses(&pin_root, netns),
+        Command::FollowAddresses {
+            pin_root,
+            netns,
+            late_address_budget,
+        } => follow_addresses(&pin_root, netns, late_address_budget),
         Command::ZtunnelServe { socket, workloads } => ztunnel_serve(&socket, workloads)?,
         Command::Debug {
             pin_root,
@@ -423,7 +430,7 @@ fn ztunnel_serve(
 }
 
 /// One line on stdout per change, for scripts and tests to wait on.
-fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
+fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>, budget: usize) {
     use sidestep::addrfollow::{self, FollowEvent};
     // No record here names a pod's excluded interfaces: only the agent follows those.
     let wanted: std::collections::BTreeMap<PathBuf, Vec<String>> =
@@ -431,6 +438,7 @@ fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
     addrfollow::follow(
         pin_root,
         std::time::Duration::from_secs(1),
+        budget,
         || wanted.clone(),
         || true,
         |event| match event {
@@ -442,11 +450,12 @@ fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>) {
             FollowEvent::Synced(f, s) => {
                 if !s.added.is_empty() || !s.removed.is_empty() {
                     println!(
-                        "{}: added {:?}, removed {:?}, {} left out",
+                        "{}: added {:?}, removed {:?}, {} left out ({} over the budget)",
                         f.path().display(),
                         s.added,
                         s.removed,
-                        s.left_out
+                        s.left_out,
+                        s.over_budget
                     );
                 }
                 let source = &s.source;

@@ -85,9 +85,20 @@ impl Dirs {
     /// The usual start of a test that needs pods: a primary network `10-test.conflist`, the
     /// agent with [`base_args`] on a free port and ready, and a node whose chain it completed.
     pub fn ready_agent_and_node(&self, env: &TestEnv) -> Result<(Agent, Node)> {
+        self.ready_agent_and_node_with(env, &[])
+    }
+
+    /// As [`Self::ready_agent_and_node`], the agent with `extra` arguments.
+    pub fn ready_agent_and_node_with(
+        &self,
+        env: &TestEnv,
+        extra: &[&str],
+    ) -> Result<(Agent, Node)> {
         self.write_primary("10-test.conflist")?;
         let port = free_port()?;
-        let mut agent = Agent::start(env, &base_args(env, self, port), port)?;
+        let mut args = base_args(env, self, port);
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        let mut agent = Agent::start(env, &args, port)?;
         agent.wait_ready(std::time::Duration::from_secs(30))?;
         let node = self.node(env, "10-test.conflist")?;
         Ok((agent, node))

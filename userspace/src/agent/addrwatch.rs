@@ -50,6 +50,7 @@ fn run(agent: &Agent) {
     addrfollow::follow(
         &s.pin_root,
         REFRESH,
+        s.late_address_budget,
         wanted,
         || true,
         |event| match event {
@@ -97,11 +98,20 @@ fn run(agent: &Agent) {
                         Ordering::Relaxed,
                     );
                 }
-                if synced.left_out > 0 && synced.left_out_changed {
+                if synced.over_budget > 0 && synced.left_out_changed {
                     tracing::warn!(
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),
-                        left_out = synced.left_out,
+                        left_out = synced.over_budget,
+                        budget = s.late_address_budget,
+                        "the node's budget for addresses pods gained after enrolment is spent (late-address-budget); connections to this pod's other addresses are captured as outbound"
+                    );
+                }
+                if synced.left_out > synced.over_budget && synced.left_out_changed {
+                    tracing::warn!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        left_out = synced.left_out - synced.over_budget,
                         max = crate::enroll::MAX_POD_ADDRESSES,
                         "the pod has more addresses than are registered for one pod; connections to the rest are captured as outbound"
                     );

@@ -104,6 +104,11 @@ pub struct AgentArgs {
     /// Capacity of the pod map when the maps are first created.
     #[arg(long, env = "SIDESTEP_POD_CAPACITY")]
     pub pod_capacity: Option<String>,
+    /// The most addresses the agent registers, for all pods of the node together, that pods
+    /// gained after their enrolment (an address past it is captured as outbound: fail closed)
+    /// [default: 4096, a quarter of the node's address map].
+    #[arg(long, env = "SIDESTEP_LATE_ADDRESS_BUDGET")]
+    pub late_address_budget: Option<String>,
     /// Remove this taint from the agent's node once /readyz is true (`true`: the default key,
     /// sidestep.io/agent-not-ready), as Istio's untaint controller does for
     /// cni.istio.io/not-ready [default: off].
@@ -163,6 +168,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "proc-dir" => a.proc_dir.as_ref(),
         "log-format" => a.log_format.as_ref(),
         "pod-capacity" => a.pod_capacity.as_ref(),
+        "late-address-budget" => a.late_address_budget.as_ref(),
         "node-name" => a.node_name.as_ref(),
         "readiness-taint" => a.readiness_taint.as_ref(),
         "ambient" => a.ambient.as_ref(),
@@ -177,7 +183,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 35] = [
+pub(super) const KEYS: [&str; 36] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -206,6 +212,7 @@ pub(super) const KEYS: [&str; 35] = [
     "proc-dir",
     "log-format",
     "pod-capacity",
+    "late-address-budget",
     "node-name",
     "readiness-taint",
     "ambient",

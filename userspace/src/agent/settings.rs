@@ -89,6 +89,8 @@ pub struct Settings {
     pub log_level: String,
     pub log_format: LogFormat,
     pub pod_capacity: Option<u32>,
+    /// The most addresses gained after enrolment that the address follower registers, node-wide.
+    pub late_address_budget: usize,
     pub node_name: String,
     /// The taint removed from this node once ready (None: off).
     pub readiness_taint: Option<String>,
@@ -511,6 +513,15 @@ impl Settings {
                     )),
                 })
                 .transpose()?,
+            late_address_budget: r.parse(
+                "late-address-budget",
+                || Ok(crate::addrfollow::DEFAULT_LATE_ADDRESS_BUDGET),
+                |v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|_| format!("{v:?} is not a number of addresses"))
+                },
+            )?,
             node_name: r.string("node-name", ""),
             readiness_taint: r.parse("readiness-taint", || Ok(None), parse_taint_key)?,
             ambient: r.boolean("ambient", false)?,

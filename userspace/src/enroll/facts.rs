@@ -5,17 +5,13 @@
 
 use std::{io, net::IpAddr};
 
-use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     route::{RouteAddress, RouteAttribute, RouteMessage, RouteType},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 use serde::{Deserialize, Serialize};
 
-use crate::{error::NetnsError, netns::Netns};
+use crate::{error::NetnsError, netns::Netns, rtnl::Rtnl};
 
 /// The main routing table, the one `ip route` shows and pods route by.
 const RT_TABLE_MAIN: u32 = 254;
@@ -105,56 +101,31 @@ pub fn read(netns: &Netns, with_routes: bool) -> Result<NetnsFacts, NetnsError> 
 
 /// The main table's unicast routes of both families (an IPv6-less netns has none of its own).
 fn dump_routes() -> io::Result<Vec<Route>> {
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
+    let mut rtnl = Rtnl::open()?;
     let mut routes = Vec::new();
-    for (seq, family) in [(1, AddressFamily::Inet), (2, AddressFamily::Inet6)] {
+    for family in [AddressFamily::Inet, AddressFamily::Inet6] {
         let mut msg = RouteMessage::default();
         msg.header.address_family = family;
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        header.sequence_number = seq;
-        let mut packet = NetlinkMessage::new(
-            header,
-            NetlinkPayload::from(RouteNetlinkMessage::GetRoute(msg)),
-        );
-        packet.finalize();
-        let mut buf = vec![0; packet.buffer_len()];
-        packet.serialize(&mut buf);
-        socket.send(&buf, 0)?;
-        let mut reply = vec![0; 32 * 1024];
-        'dump: loop {
-            let n = socket.recv(&mut &mut reply[..], 0)?;
-            let mut offset = 0;
-            while offset < n {
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&reply[offset..n])
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-                let len = msg.header.length as usize;
-                match msg.payload {
-                    NetlinkPayload::Done(_) => break 'dump,
-                    NetlinkPayload::Error(e) => match e.code {
-                        // An IPv6-less kernel refuses the family: no routes of it.
-                        Some(c) if -c.get() == libc::EAFNOSUPPORT => break 'dump,
-                        Some(c) => return Err(io::Error::from_raw_os_error(-c.get())),
-                        None => break 'dump,
-                    },
-                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => {
-                        if let Some(route) = unicast_route(&r) {
-                            routes.push(route);
-                        }
-                    }
-                    _ => {}
-                }
-                if len == 0 {
-                    break;
-                }
-                offset += len;
-            }
-        }
+        let replies = match rtnl.dump(RouteNetlinkMessage::GetRoute(msg)) {
+            Ok(replies) => replies,
+            // An IPv6-less kernel refuses the family: no routes of it.
+            Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => continue,
+            Err(e) => return Err(e),
+        };
+        routes.extend(replies.iter().filter_map(|reply| match reply {
+            RouteNetlinkMessage::NewRoute(r) => unicast_route(r),
+            _ => None,
+        }));
     }
     Ok(routes)
 }
+
+/// The interface of a route whose next hops leave by more than one (a multipath route), or
+/// which names none the netns can resolve (a nexthop object, `nhid`, dumped without its hops
+/// when `net.ipv4.nexthop_compat_mode` is 0). No interface has ifindex 0, so such a route never
+/// counts as leaving by an excluded interface: its connections are captured (fail closed), where
+/// Istio's `-o <nic>` would decide per connection by the hop the kernel picks.
+pub const SEVERAL_OR_UNKNOWN_INTERFACES: u32 = 0;
 
 fn unicast_route(r: &RouteMessage) -> Option<Route> {
     if r.header.kind != RouteType::Unicast {
@@ -175,9 +146,13 @@ fn unicast_route(r: &RouteMessage) -> Option<Route> {
                 destination = Some(IpAddr::V6(*v6));
             }
             RouteAttribute::Oif(i) => ifindex = Some(*i),
-            // A multipath route: its first next hop's device stands for it.
             RouteAttribute::MultiPath(hops) if ifindex.is_none() => {
-                ifindex = hops.first().map(|h| h.interface_index);
+                let first = hops.first().map(|h| h.interface_index);
+                ifindex = if hops.iter().all(|h| Some(h.interface_index) == first) {
+                    first
+                } else {
+                    Some(SEVERAL_OR_UNKNOWN_INTERFACES)
+                };
             }
             _ => {}
         }
@@ -189,10 +164,12 @@ fn unicast_route(r: &RouteMessage) -> Option<Route> {
         AddressFamily::Inet6 => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
         _ => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
     });
+    // Kept even without an interface: dropped, its destinations would fall to a shorter prefix,
+    // which may be an excluded interface's.
     Some(Route {
         destination,
         prefix_len: r.header.destination_prefix_length,
-        ifindex: ifindex?,
+        ifindex: ifindex.unwrap_or(SEVERAL_OR_UNKNOWN_INTERFACES),
         metric,
     })
 }
@@ -246,5 +223,56 @@ impl NetnsKeys {
             pod.proxy_gid = gid;
         }
         pod
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use netlink_packet_route::route::{RouteNextHop, RouteProtocol};
+
+    use super::*;
+
+    fn main_table_route(attributes: Vec<RouteAttribute>) -> RouteMessage {
+        let mut r = RouteMessage::default();
+        r.header.address_family = AddressFamily::Inet;
+        r.header.kind = RouteType::Unicast;
+        r.header.protocol = RouteProtocol::Boot;
+        r.header.table = RT_TABLE_MAIN as u8;
+        r.header.destination_prefix_length = 16;
+        r.attributes = vec![RouteAttribute::Destination(RouteAddress::Inet(
+            [10, 102, 0, 0].into(),
+        ))];
+        r.attributes.extend(attributes);
+        r
+    }
+
+    fn hop(ifindex: u32) -> RouteNextHop {
+        let mut hop = RouteNextHop::default();
+        hop.interface_index = ifindex;
+        hop
+    }
+
+    #[test]
+    fn a_multipath_route_names_its_interface_only_when_every_hop_shares_it() {
+        let (eth0, net1) = (2, 3);
+        let one_device =
+            main_table_route(vec![RouteAttribute::MultiPath(vec![hop(net1), hop(net1)])]);
+        assert_eq!(unicast_route(&one_device).unwrap().ifindex, net1);
+        // net1 first: taken for the route, every connection through eth0 would pass uncaptured.
+        let mixed = main_table_route(vec![RouteAttribute::MultiPath(vec![hop(net1), hop(eth0)])]);
+        assert_eq!(
+            unicast_route(&mixed).unwrap().ifindex,
+            SEVERAL_OR_UNKNOWN_INTERFACES
+        );
+    }
+
+    #[test]
+    fn a_route_without_a_device_is_kept_as_leaving_by_no_excluded_interface() {
+        // A nexthop object dumped without its hops (`nexthop_compat_mode` 0): dropped, 10.102/16
+        // would fall to a shorter prefix, perhaps net1's.
+        let by_object = main_table_route(vec![RouteAttribute::NhId(7)]);
+        let route = unicast_route(&by_object).expect("the route was dropped");
+        assert_eq!(route.ifindex, SEVERAL_OR_UNKNOWN_INTERFACES);
+        assert_eq!(route.prefix_len, 16);
     }
 }

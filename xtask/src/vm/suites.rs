@@ -30,6 +30,8 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     ("reroute", &[]),
     // DNS capture: sendmsg's source address and connect's bind of a never-bound UDP socket.
     ("dns", &[]),
+    // excludeInterfaces' routes as each kernel dumps them: multipath, nexthop objects.
+    ("exclusion_routes", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.

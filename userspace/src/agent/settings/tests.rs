@@ -39,6 +39,7 @@ fn defaults_resolve() {
     assert_eq!(s.log_level, "info");
     assert_eq!(s.listen, Listen::AllAddresses(9964));
     assert_eq!(s.metrics_max_age, Duration::from_secs(5));
+    assert_eq!(s.late_address_budget, 4096);
 }
 
 #[test]
@@ -135,6 +136,10 @@ fn bad_settings_are_named() {
             "setting cgroup",
         ),
         (with(&|a| a.pod_capacity = s("0")), "setting pod-capacity"),
+        (
+            with(&|a| a.late_address_budget = s("-1")),
+            "setting late-address-budget",
+        ),
         (
             with(&|a| a.cni_binary = s("/nonexistent")),
             "setting cni-binary",
