@@ -341,3 +341,44 @@ fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() ->
     loaded.unload()?;
     Ok(())
 }
+
+/// `sidestep enroll` without `--interface` captures every interface but lo; a netns whose root
+/// added dozens is refused, naming the fix, with nothing written, and enrols once told which.
+#[test]
+fn enrolment_of_every_interface_of_a_crowded_netns_is_refused() -> Result<()> {
+    if skip_unless_root("enrolment_of_every_interface_of_a_crowded_netns_is_refused") {
+        return Ok(());
+    }
+    let env = TestEnv::new("ifcap")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let pod = node.add_pod("crowded")?;
+    let loaded = Loaded::load(&env)?;
+    // eth0 and 17 veth pairs inside the pod: 35 interfaces (userspace/src/enroll/limits.rs,
+    // MAX_UNNAMED_INTERFACES = 32).
+    let batch = env.tmp_dir().join("veths.batch");
+    let lines: String = (0..17)
+        .map(|i| format!("link add x{i} type veth peer name y{i}\n"))
+        .collect();
+    std::fs::write(&batch, lines)?;
+    pod.ip(&["-batch", &batch.display().to_string()])?;
+    let err = loaded
+        .enroll(&pod, &["--inbound-hook", "tc"])
+        .expect_err("a netns of 35 interfaces enrolled whole");
+    let msg = format!("{err:#}");
+    ensure!(
+        msg.contains("35 interfaces") && msg.contains("--interface"),
+        "{msg}"
+    );
+    for map in ["SIDESTEP_POD", "SIDESTEP_IFACES", "SIDESTEP_ADDRS"] {
+        let n = map_entries(env.pin_root(), map)?;
+        ensure!(n == 0, "{n} entries in {map} after a refused enrolment");
+    }
+    loaded.enroll(&pod, &["--inbound-hook", "tc", "--interface", "eth0"])?;
+    ensure!(
+        map_entries(env.pin_root(), "SIDESTEP_POD")? == 1,
+        "not enrolled with --interface"
+    );
+    loaded.unenroll(&pod)?;
+    loaded.unload()?;
+    Ok(())
+}

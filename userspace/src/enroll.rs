@@ -90,6 +90,13 @@ pub fn enroll_netns(
     let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);
     let was_enrolled = previous_flags.is_some();
     let facts = facts::read(netns, !policy.exclude_interfaces.is_empty())?;
+    if interfaces.is_none() && facts.interfaces.len() > limits::MAX_UNNAMED_INTERFACES {
+        return Err(EnrollError::TooManyInterfaces {
+            path: netns.path().to_path_buf(),
+            count: facts.interfaces.len(),
+            max: limits::MAX_UNNAMED_INTERFACES,
+        });
+    }
     // The proxy's IDs as the kernel sees them: a user-namespaced pod's UID 1337 is another UID
     // on the host, and the programs compare with `bpf_get_current_uid_gid`.
     // Ambient mode knows ztunnel by its socket mark, which no user namespace translates.

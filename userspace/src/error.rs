@@ -203,6 +203,14 @@ pub enum EnrollError {
         "{0} has no interface for inbound capture (all excluded, or none but lo); name one with --interface, or turn inbound capture off with --include-inbound-ports ''"
     )]
     NoInterface(PathBuf),
+    #[error(
+        "{path} has {count} interfaces besides lo, more than the {max} an enrolment captures without being told which (each is a map entry, and with the tc hook a link; root in a pod can add thousands); name the pod's with --interface"
+    )]
+    TooManyInterfaces {
+        path: PathBuf,
+        count: usize,
+        max: usize,
+    },
     /// A re-routed virtual interface cannot be captured (missing, no MAC, or its ifindex and MAC
     /// already belong to another pod).
     #[error("istio.io/reroute-virtual-interfaces: {0}")]

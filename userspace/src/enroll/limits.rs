@@ -27,6 +27,12 @@ pub(crate) fn keep_within(addresses: &mut Vec<IpAddr>, first: &[IpAddr], room: u
     left_out
 }
 
+/// The most interfaces an enrolment captures when not told which (`sidestep enroll` without
+/// `--interface`: every interface but lo). Each is a `SIDESTEP_IFACES` entry and, with the tc
+/// hook, a TCX link; a netns with more is refused rather than enrolled in part. The plugin
+/// always names its attachment's interface.
+pub const MAX_UNNAMED_INTERFACES: usize = 32;
+
 /// The most routes of one pod in the `cidr_list::ROUTE` list of `SIDESTEP_CIDRS` (`-o <nic>` for
 /// excluded interfaces).
 pub const MAX_EXCLUSION_ROUTES: usize = 256;
