@@ -376,6 +376,45 @@ fn lifecycle() -> Result<()> {
     Ok(())
 }
 
+/// An attachment whose interface holds more addresses than one pod registers (its netns
+/// flooded before a re-ADD): the record names only the addresses the ADD registered, so CHECK
+/// passes and the record stays small.
+#[test]
+fn a_flooded_attachment_records_what_it_registered() {
+    if skip_unless_root("a_flooded_attachment_records_what_it_registered") {
+        return;
+    }
+    flooded_attachment().unwrap();
+}
+
+fn flooded_attachment() -> Result<()> {
+    let mut sb = Sandbox::new("flood")?;
+    let a = sb.add_netns("a")?;
+    let conf = sb.conf("1.1.0");
+    sb.load()?;
+    let name = a.file_name().unwrap().to_string_lossy().into_owned();
+    let batch = sb.state_dir().with_file_name("flood.batch");
+    let lines: String = (0..100)
+        .map(|i| format!("addr add 10.251.0.{i}/32 dev eth0\n"))
+        .collect();
+    fs::write(&batch, lines)?;
+    run(Command::new("ip").args(["-n", &name, "-batch"]).arg(&batch))?;
+    expect_ok(&call(&sb, "ADD", "c1", &a, &conf)?, "ADD")?;
+    let rec: Value = serde_json::from_slice(&fs::read(sb.state_dir().join("c1@eth0.json"))?)?;
+    let recorded = rec["netnsKeys"]["interfaceAddresses"]
+        .as_array()
+        .map_or(0, Vec::len);
+    // userspace/src/enroll/limits.rs, MAX_POD_ADDRESSES.
+    ensure!(
+        (1..=64).contains(&recorded),
+        "{recorded} interface addresses recorded"
+    );
+    expect_ok(&call(&sb, "CHECK", "c1", &a, &conf)?, "CHECK")?;
+    expect_ok(&call(&sb, "DEL", "c1", &a, &conf)?, "DEL")?;
+    ensure!(sb.pods()?.is_empty(), "after DEL: {:?}", sb.pods()?);
+    Ok(())
+}
+
 #[test]
 fn bad_input_corpus_changes_nothing() {
     if skip_unless_root("bad_input_corpus_changes_nothing") {

@@ -253,10 +253,12 @@ fn netns_keys(
     entries: &MapEntries,
     interfaces: Option<&[String]>,
 ) -> NetnsKeys {
+    // Sets: root in the pod can put thousands of addresses on one interface.
+    let mut seen: HashSet<IpAddr> = HashSet::new();
     let mut addresses: Vec<IpAddr> = Vec::new();
     for (_, ip) in &facts.addresses {
         let words = address_words(ip);
-        if entries.addresses.contains(&words) || addresses.contains(ip) {
+        if !seen.insert(*ip) || entries.addresses.contains(&words) {
             continue;
         }
         if let Some(owner) = owned_by_other_pod(maps, &words, netns_cookie) {
@@ -270,16 +272,23 @@ fn netns_keys(
         addresses.push(*ip);
     }
     let mut interface_addresses: Vec<IpAddr> = policy.pod_ips.clone();
+    let mut listed: HashSet<IpAddr> = interface_addresses.iter().copied().collect();
     for name in interfaces.unwrap_or_default() {
         for ip in facts.addresses_of(name) {
-            if !interface_addresses.contains(&ip) {
+            if listed.insert(ip) {
                 interface_addresses.push(ip);
             }
         }
     }
     let room = MAX_POD_ADDRESSES.saturating_sub(entries.addresses.len());
+    let found = addresses.clone();
     let left_out = keep_within(&mut addresses, &interface_addresses, room);
     if left_out > 0 {
+        // The record names what this attachment registered: CHECK verifies each, and a flooded
+        // interface would otherwise put thousands into it.
+        let kept: HashSet<&IpAddr> = addresses.iter().collect();
+        let dropped: HashSet<&IpAddr> = found.iter().filter(|ip| !kept.contains(ip)).collect();
+        interface_addresses.retain(|ip| !dropped.contains(ip));
         tracing::warn!(
             netns_cookie,
             left_out,
