@@ -356,7 +356,13 @@ fn pod_request(
                         pod["metadata"][field] = json!({});
                     }
                     for (k, v) in map {
-                        pod["metadata"][field][k] = v.clone();
+                        // A JSON merge patch: null removes the key.
+                        match (v.is_null(), pod["metadata"][field].as_object_mut()) {
+                            (true, Some(fields)) => {
+                                fields.remove(k);
+                            }
+                            _ => pod["metadata"][field][k] = v.clone(),
+                        }
                     }
                 }
             }

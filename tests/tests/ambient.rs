@@ -282,6 +282,45 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
         },
     )?;
 
+    // The namespace's label removed while the pod runs: the agent takes it out of the mesh, as
+    // istio-cni's node agent does. ztunnel releases it, its redirection annotation goes, and its
+    // connections leave uncaptured.
+    api.set_namespace("later", json!({}));
+    wait_until(
+        "ztunnel to release the late pod",
+        Duration::from_secs(10),
+        || Ok(zds_events(&ztunnel, "del", "uid-later-late") == 1),
+    )
+    .with_context(|| agent.log())?;
+    let annotations = || {
+        api.pod("later", "late")
+            .map(|p| p["metadata"]["annotations"].clone())
+            .unwrap_or_default()
+    };
+    wait_until("the annotation removed", Duration::from_secs(5), || {
+        Ok(annotations().get("ambient.istio.io/redirection").is_none())
+    })
+    .with_context(|| format!("{}", annotations()))?;
+    let seen = accepted(&ztunnel, "uid-later-late", "15001").len();
+    let out = late.run(&env, 1000, &[probe(), "connect", &to_server_late])?;
+    ensure!(
+        out.status.success(),
+        "the late pod's connection after it left"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(
+        accepted(&ztunnel, "uid-later-late", "15001").len() == seen,
+        "the late pod's connection was captured after it left the mesh"
+    );
+    // Labelled again: back in, through repair and the plugin.
+    api.set_namespace("later", json!({"istio.io/dataplane-mode": "ambient"}));
+    wait_until(
+        "the late pod back with ztunnel",
+        Duration::from_secs(10),
+        || Ok(zds_events(&ztunnel, "add", "uid-later-late") == 2),
+    )
+    .with_context(|| agent.log())?;
+
     // The client's DEL: ztunnel is told to drop it.
     node.remove_pod(&client)?;
     wait_until("the Del", Duration::from_secs(10), || {

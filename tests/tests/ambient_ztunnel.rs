@@ -16,7 +16,7 @@ use std::time::Duration;
 use agent_support::{api_pod, wait_until};
 use ambient_support::{AmbientNode, NODE, probe};
 use anyhow::{Context, Result, ensure};
-use serde_json::Value;
+use serde_json::{Value, json};
 use sidestep_tests::{Spawn, TestEnv, skip_unless_root};
 
 /// The same node with an unmodified ztunnel (`SIDESTEP_ZTUNNEL`): two ambient pods talk through
@@ -138,5 +138,47 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
         }))
     })
     .with_context(|| ztunnel.stdout())?;
+
+    // The namespace's label removed while both pods run: the agent takes them out of the mesh
+    // and ztunnel releases them (Istio's DelWorkload). The client then reaches the app
+    // directly: still captured without ztunnel's listeners, it would be refused.
+    n.api.set_namespace("mesh", json!({}));
+    wait_until("both pods out of the mesh", Duration::from_secs(15), || {
+        Ok(n.annotation("mesh", "client").is_null() && n.annotation("mesh", "server").is_null())
+    })
+    .with_context(|| format!("agent:\n{}", n.agent.log()))?;
+    let through_ztunnel = || {
+        ztunnel
+            .stdout()
+            .lines()
+            .filter(|l| l.contains("connection complete"))
+            .count()
+    };
+    let before = through_ztunnel();
+    let out = client.run_with(
+        &env,
+        Spawn::new(&[
+            probe(),
+            "connect",
+            &app_addr,
+            "--http",
+            "--timeout-ms",
+            "5000",
+        ])
+        .user(1000, 1000),
+        Duration::from_secs(10),
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        text.contains("\"status\":\"probe\""),
+        "the client out of the mesh got {text:?}\nagent:\n{}",
+        n.agent.log()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(
+        through_ztunnel() == before,
+        "a connection of a pod out of the mesh went through ztunnel:\n{}",
+        ztunnel.stdout()
+    );
     Ok(())
 }

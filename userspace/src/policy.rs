@@ -681,5 +681,7 @@ impl Policy {
     }
 }
 
+pub mod ambient_selectors;
+
 #[cfg(test)]
 mod tests;

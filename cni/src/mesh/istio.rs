@@ -35,9 +35,7 @@ pub const PROXY_CONFIG: &str = "proxy.istio.io/config";
 
 /// Ambient mode: the label istio-cni's default enablement selectors read, on the pod and on its
 /// namespace, and its two values.
-pub const DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
-pub const DATAPLANE_AMBIENT: &str = "ambient";
-pub const DATAPLANE_NONE: &str = "none";
+pub use sidestep::policy::ambient_selectors::{DATAPLANE_AMBIENT, DATAPLANE_MODE, DATAPLANE_NONE};
 /// Per-pod override of ambient DNS capture (`ambient.dnsCapture`, on by default).
 pub const AMBIENT_DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
 /// Ingress mode: no inbound capture.
@@ -95,16 +93,11 @@ fn containers(pod: &PodInfo) -> Result<Containers<'_>, AnnotationError> {
 /// labelled ambient and the pod not labelled none; never a sidecar-injected pod. The namespace's
 /// labels are known only when the pod was read from the API.
 pub fn is_ambient(pod: &PodInfo) -> bool {
-    if pod.annotation(STATUS).is_some() {
-        return false;
-    }
-    match pod.labels.get(DATAPLANE_MODE).map(String::as_str) {
-        Some(DATAPLANE_AMBIENT) => true,
-        Some(DATAPLANE_NONE) => false,
-        _ => {
-            pod.namespace_labels.get(DATAPLANE_MODE).map(String::as_str) == Some(DATAPLANE_AMBIENT)
-        }
-    }
+    sidestep::policy::ambient_selectors::selected(
+        &pod.labels,
+        &pod.annotations,
+        &pod.namespace_labels,
+    )
 }
 
 /// istio-cni's in-pod rules for an ambient pod, with its two per-pod overrides.

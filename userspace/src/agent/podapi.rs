@@ -5,7 +5,7 @@
 
 use std::{path::Path, time::Duration};
 
-use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::{
     Api, Client,
     api::{DeleteParams, Patch, PatchParams, PostParams},
@@ -146,13 +146,14 @@ pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
     })
 }
 
-/// Sets one annotation through the pods/status subresource (a JSON merge patch), as istio-cni
-/// writes `ambient.istio.io/redirection`: it needs `patch` on pods/status only.
+/// Sets one annotation (or with `None` removes it) through the pods/status subresource (a JSON
+/// merge patch), as istio-cni writes `ambient.istio.io/redirection`: it needs `patch` on
+/// pods/status only.
 pub fn annotate_status(
     kubeconfig: &Path,
     pod: &NodePod,
     key: &str,
-    value: &str,
+    value: Option<&str>,
 ) -> Result<(), String> {
     let (ns, name) = (pod.namespace.clone(), pod.name.clone());
     let patch = json!({"metadata": {"annotations": {key: value}}});
@@ -162,5 +163,26 @@ pub fn annotate_status(
             .await
             .map(drop)
             .map_err(|e| format!("annotating pod {ns}/{name}: {e}"))
+    })
+}
+
+/// The pod `namespace/name` and its Namespace, read from the API now (not from a watch, which
+/// may lag behind what the plugin read at the pod's ADD).
+pub fn pod_and_namespace(
+    kubeconfig: &Path,
+    namespace: &str,
+    name: &str,
+) -> Result<(Pod, Namespace), String> {
+    let (ns, name) = (namespace.to_owned(), name.to_owned());
+    block_on(kubeconfig, async move |client: Client| {
+        let pod = Api::<Pod>::namespaced(client.clone(), &ns)
+            .get(&name)
+            .await
+            .map_err(|e| format!("reading pod {ns}/{name}: {e}"))?;
+        let namespace = Api::<Namespace>::all(client)
+            .get(&ns)
+            .await
+            .map_err(|e| format!("reading namespace {ns}: {e}"))?;
+        Ok((pod, namespace))
     })
 }

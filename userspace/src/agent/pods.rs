@@ -40,6 +40,9 @@ pub struct Record {
     pub pin_root: Option<PathBuf>,
     #[serde(default)]
     pub policy: RecordPolicy,
+    /// Its ADD is under way (or died before finishing).
+    #[serde(default)]
+    pub pending: bool,
 }
 
 /// The part of the recorded policy the agent uses.

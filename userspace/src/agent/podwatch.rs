@@ -8,6 +8,7 @@
 //! too old), and backs off on errors; both are logged.
 
 use std::{
+    collections::BTreeMap,
     sync::{
         Arc, Mutex, OnceLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -39,6 +40,9 @@ pub struct PodWatch {
     pub events: AtomicU64,
     /// Namespace changes seen (ambient mode watches namespaces: their labels pick pods).
     pub namespace_events: AtomicU64,
+    /// Ambient mode: the namespaces, once listed.
+    namespaces: OnceLock<Store<Namespace>>,
+    namespaces_synced: AtomicBool,
     /// The last watch error, for the log and /readyz.
     last_error: Mutex<Option<String>>,
 }
@@ -78,6 +82,19 @@ impl PodWatch {
 
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
+    }
+
+    /// The labels of namespace `name` as the namespace watch holds them, once it listed them
+    /// (ambient mode only); `None` when not known.
+    pub fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        if !self.namespaces_synced.load(Ordering::Acquire) {
+            return None;
+        }
+        let ns = self
+            .namespaces
+            .get()?
+            .get(&reflector::ObjectRef::<Namespace>::new(name))?;
+        Some(ns.metadata.labels.clone().unwrap_or_default())
     }
 }
 
@@ -161,13 +178,22 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
 /// about every pod it left uncaptured (the plugin reads the namespace's labels itself), and the
 /// plugin's ambient enrolment then reaches ztunnel. Namespaces are few and change rarely.
 async fn watch_namespaces(agent: Arc<Agent>, client: kube::Client, poke: mpsc::Sender<()>) {
+    let (reader, writer) = reflector::store::<Namespace>();
+    let _ = agent.pod_watch.namespaces.set(reader);
     let mut stream = watcher(Api::<Namespace>::all(client), watcher::Config::default())
         .default_backoff()
+        .reflect(writer)
         .boxed();
     tracing::info!("watching namespaces (ambient: their labels pick pods)");
     let mut last_error = None;
     while let Some(event) = stream.next().await {
         match event {
+            Ok(watcher::Event::InitDone) => {
+                agent
+                    .pod_watch
+                    .namespaces_synced
+                    .store(true, Ordering::Release);
+            }
             Ok(watcher::Event::Apply(ns) | watcher::Event::Delete(ns)) => {
                 agent
                     .pod_watch

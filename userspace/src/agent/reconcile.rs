@@ -289,6 +289,26 @@ fn undo_dead_add(
     Ok(true)
 }
 
+/// Unenrols the record's netns and removes the record with its index entry and the netns's
+/// markers, as a DEL of its last attachment would (its netns is gone, or its pod left the mesh).
+pub(super) fn unenroll_and_forget(
+    s: &Settings,
+    path: &Path,
+    record: &Record,
+) -> Result<bool, ReconcileError> {
+    let was = unenroll(&s.pin_root, record.netns_cookie)?;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(ReconcileError::RemoveRecord {
+            path: path.to_path_buf(),
+            source: e,
+        }),
+        _ => {
+            unindex(s, record, true);
+            Ok(was)
+        }
+    }
+}
+
 /// Removes a removed record's entry from the plugin's netns-cookie index
 /// ([`crate::stateindex`]), with the cookie's markers when `last`. A stale entry only costs a
 /// lookup (an entry counts with its record), and the plugin's GC sweeps it: a warning.
@@ -442,22 +462,7 @@ pub fn reconcile(
                 continue;
             }
         }
-        let done = unenroll(&s.pin_root, record.netns_cookie).and_then(|was| {
-            match std::fs::remove_file(path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    Err(ReconcileError::RemoveRecord {
-                        path: path.clone(),
-                        source: e,
-                    })
-                }
-                _ => {
-                    // The netns is gone, so every attachment of it is: the markers can go.
-                    unindex(s, record, true);
-                    Ok(was)
-                }
-            }
-        });
-        match done {
+        match unenroll_and_forget(s, path, record) {
             Ok(was) => {
                 tracing::info!(
                     pod = %pod_label(record),
@@ -539,6 +544,7 @@ pub fn reconcile(
                     pod_namespace: None,
                     pin_root: Some(s.pin_root.clone()),
                     policy: Default::default(),
+                    pending: false,
                 });
             }
             Err(e) => report.errors.push(e.to_string()),
