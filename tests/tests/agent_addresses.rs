@@ -626,6 +626,30 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     })
     .with_context(|| outbound.stdout())?;
 
+    // More routes than one pod writes for `-o <nic>` (userspace/src/enroll/limits.rs,
+    // MAX_EXCLUSION_ROUTES = 256): the follower writes none, says so, and a destination routed
+    // through net1 is captured (fail closed).
+    let batch = env.tmp_dir().join("routes.batch");
+    let routes: String = (0..300)
+        .map(|i| format!("route add 10.100.{}.{}/32 dev net1\n", i / 256, i % 256))
+        .collect();
+    std::fs::write(&batch, routes)?;
+    pod.ip(&["-batch", &batch.display().to_string()])?;
+    wait_until("the flooded routes followed", bound, || {
+        Ok(route_entries()?.is_empty()
+            && agent
+                .log()
+                .contains("more routes than are written for its excluded interfaces"))
+    })
+    .with_context(|| agent.log())?;
+    pod.run(&env, APP_UID, &[probe(), "connect", "10.100.0.7:8080"])?;
+    wait_until(
+        "the capture of a destination through net1",
+        Duration::from_secs(2),
+        || Ok(outbound.stdout().contains("10.100.0.7:8080")),
+    )
+    .with_context(|| outbound.stdout())?;
+
     drop((outbound, inbound, app, far_end));
     node.remove_pod(&pod)?;
     let left: Vec<Value> = map_entries(&env, "SIDESTEP_IFACES")?

@@ -321,6 +321,39 @@ fn ambient_pods_are_handed_to_ztunnel_and_captured() -> Result<()> {
     )
     .with_context(|| agent.log())?;
 
+    // One pod's own label, while it runs: the opted-out pod of the ambient namespace loses its
+    // `none` and joins; set to `none` again, it leaves.
+    let optout_json = |labels: Value| {
+        let mut p = api_pod(NODE, "mesh", "optout", &[optout.ipv4.to_string()], false);
+        p["metadata"]["labels"] = labels;
+        p
+    };
+    // First as repair finds it: opted out, skipped, and remembered as skipped.
+    api.add(optout_json(json!({"istio.io/dataplane-mode": "none"})));
+    let optout_netns = optout.netns_path.display().to_string();
+    wait_until(
+        "repair to skip the opted-out pod",
+        Duration::from_secs(10),
+        || {
+            Ok(agent.log().lines().any(|l| {
+                l.contains("leaves this pod uncaptured") && l.contains(optout_netns.as_str())
+            }))
+        },
+    )
+    .with_context(|| agent.log())?;
+    api.add(optout_json(json!({})));
+    wait_until("the opted-out pod to join", Duration::from_secs(10), || {
+        Ok(zds_events(&ztunnel, "add", "uid-mesh-optout") == 1)
+    })
+    .with_context(|| agent.log())?;
+    api.add(optout_json(json!({"istio.io/dataplane-mode": "none"})));
+    wait_until(
+        "the pod opted out again to leave",
+        Duration::from_secs(10),
+        || Ok(zds_events(&ztunnel, "del", "uid-mesh-optout") == 1),
+    )
+    .with_context(|| agent.log())?;
+
     // The client's DEL: ztunnel is told to drop it.
     node.remove_pod(&client)?;
     wait_until("the Del", Duration::from_secs(10), || {

@@ -122,9 +122,9 @@ pub struct AddressFollower {
     next_sync: Option<Instant>,
     /// Notifications arrived that no sync has read yet.
     pending: bool,
-    /// What the last sync left out (addresses, of them over the node's budget, routes), so a
-    /// warning is given once per change.
-    left_out: (usize, usize, usize),
+    /// What the last sync left out (addresses, of them over the node's budget, source routes,
+    /// exclusion routes), so a warning is given once per change.
+    left_out: (usize, usize, usize, Option<usize>),
     /// The interfaces the pod's policy excludes (`excludeInterfaces`).
     excluded: Vec<String>,
 }
@@ -155,7 +155,7 @@ impl AddressFollower {
             added: BTreeSet::new(),
             next_sync: None,
             pending: false,
-            left_out: (0, 0, 0),
+            left_out: (0, 0, 0, None),
             excluded: Vec::new(),
         })
     }
@@ -265,6 +265,7 @@ impl AddressFollower {
             synced.left_out,
             synced.over_budget,
             synced.source.routes_left_out,
+            synced.exclusion.routes_over_cap,
         );
         synced.left_out_changed = std::mem::replace(&mut self.left_out, left_out) != left_out;
         Ok(synced)

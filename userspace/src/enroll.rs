@@ -20,7 +20,7 @@ use std::{collections::HashSet, net::IpAddr, path::Path};
 
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
-pub use limits::MAX_POD_ADDRESSES;
+pub use limits::{MAX_EXCLUSION_ROUTES, MAX_POD_ADDRESSES};
 use limits::{exclusion_routes, keep_within};
 use sidestep_abi::{
     CidrKey, InterfaceKey, PodSource, PortKey, RerouteIfKey, cidr_list, flags, iface_kind,

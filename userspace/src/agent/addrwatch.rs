@@ -116,6 +116,17 @@ fn run(agent: &Agent) {
                         "the pod has more addresses than are registered for one pod; connections to the rest are captured as outbound"
                     );
                 }
+                if let Some(routes) = exclusion.routes_over_cap
+                    && synced.left_out_changed
+                {
+                    tracing::warn!(
+                        netns = %f.path().display(),
+                        netns_cookie = f.cookie(),
+                        routes,
+                        max = crate::enroll::MAX_EXCLUSION_ROUTES,
+                        "the pod has more routes than are written for its excluded interfaces; none is written, so its connections are captured whatever interface their route takes (sockets bound to an excluded device excepted)"
+                    );
+                }
                 if source.routes_left_out > 0 && synced.left_out_changed {
                     tracing::warn!(
                         netns = %f.path().display(),

@@ -138,7 +138,30 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
         .reflect(writer)
         .boxed();
     tracing::info!(node = %node, "watching this node's pods");
+    // Ambient mode: each pod's labels as last seen, by UID. A pod labelled into the mesh while
+    // it runs must be asked about again, although repair remembers its netns as skipped.
+    let mut labels_seen: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let ambient = agent.settings.ambient;
     while let Some(event) = stream.next().await {
+        if ambient {
+            match &event {
+                Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
+                    let uid = pod.metadata.uid.clone().unwrap_or_default();
+                    let labels = pod.metadata.labels.clone().unwrap_or_default();
+                    if labels_seen
+                        .insert(uid, labels.clone())
+                        .is_some_and(|before| before != labels)
+                    {
+                        tracing::debug!(pod = ?pod.metadata.name, "pod labels changed");
+                        super::repair::forget_skips();
+                    }
+                }
+                Ok(watcher::Event::Delete(pod)) => {
+                    labels_seen.remove(&pod.metadata.uid.clone().unwrap_or_default());
+                }
+                _ => {}
+            }
+        }
         match event {
             Ok(watcher::Event::InitDone) => {
                 let first = !watch.synced.swap(true, Ordering::AcqRel);

@@ -40,6 +40,9 @@ pub struct ExclusionChanges {
     pub routes_written: usize,
     /// Route entries of routes that are gone, removed.
     pub routes_removed: usize,
+    /// The netns has more routes than [`super::limits::MAX_EXCLUSION_ROUTES`]: none is written,
+    /// so every connection is captured whatever interface its route takes. Not a change.
+    pub routes_over_cap: Option<usize>,
 }
 
 impl ExclusionChanges {
@@ -98,6 +101,9 @@ pub(crate) fn follow(
     };
     // Routes first: an interface entry without its routes only leaves inbound out.
     let wanted = route_entries(netns_cookie, &facts.routes, &present);
+    if exclusion_routes(&facts.routes).len() < facts.routes.len() {
+        changes.routes_over_cap = Some(facts.routes.len());
+    }
     let have = pod_route_entries(maps, netns_cookie);
     let mut written: Vec<RouteEntry> = Vec::new();
     for entry @ (bits, data, via) in &wanted {
@@ -143,7 +149,10 @@ pub(crate) fn follow(
         for (bits, data, _) in &written {
             let _ = maps.cidrs.remove(&Key::new(*bits, *data));
         }
-        return Ok(ExclusionChanges::default());
+        return Ok(ExclusionChanges {
+            routes_over_cap: changes.routes_over_cap,
+            ..ExclusionChanges::default()
+        });
     }
     Ok(changes)
 }
