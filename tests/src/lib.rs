@@ -57,6 +57,13 @@ pub fn running_as_root() -> bool {
 }
 
 /// Prints a skip notice and returns true when not root. Use as
+/// `ip -batch` lines adding `count` host routes (/32) in `prefix`.0.0/16 through `dev`.
+pub fn host_routes(count: u32, prefix: &str, dev: &str) -> String {
+    (0..count)
+        .map(|i| format!("route add {prefix}.{}.{}/32 dev {dev}\n", i / 256, i % 256))
+        .collect()
+}
+
 /// `if skip_unless_root("my_test") { return; }`.
 pub fn skip_unless_root(test: &str) -> bool {
     if running_as_root() {

@@ -143,6 +143,16 @@ impl Pod {
         crate::util::cmd(&argv)
     }
 
+    /// `ip -n <netns> -batch` of `commands` (one per line, without `ip`): thousands of addresses
+    /// or routes in one process.
+    pub fn ip_batch(&self, env: &crate::TestEnv, commands: &str) -> Result<()> {
+        let file = env
+            .tmp_dir()
+            .join(format!("ip-{}-{}.batch", self.name, env.next_seq()));
+        std::fs::write(&file, commands)?;
+        self.ip(&["-batch", &file.display().to_string()]).map(drop)
+    }
+
     /// A second interface as Multus would leave it: a veth `name` with `cidr` (not every kernel
     /// has the dummy driver), its peer `<name>-peer` up in the pod without an address.
     pub fn add_veth(&self, name: &str, cidr: &str) -> Result<()> {

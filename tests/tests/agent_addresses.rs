@@ -255,7 +255,6 @@ fn a_pod_flooding_its_netns_with_addresses_does_not_fill_the_nodes_map() -> Resu
 
     // ebpf/sidestep-abi, capacity::ADDRESSES: the node-wide map (this crate does not link it).
     let node_capacity = 16_384;
-    let flood = env.tmp_dir().join("flood.batch");
     let lines: String = (0..node_capacity + 16)
         .map(|i| {
             format!(
@@ -266,8 +265,7 @@ fn a_pod_flooding_its_netns_with_addresses_does_not_fill_the_nodes_map() -> Resu
             )
         })
         .collect();
-    std::fs::write(&flood, lines)?;
-    pod.ip(&["-batch", &flood.display().to_string()])?;
+    pod.ip_batch(&env, &lines)?;
 
     // userspace/src/enroll/addresses.rs, MAX_POD_ADDRESSES.
     let cap = 64;
@@ -352,13 +350,10 @@ fn a_node_wide_budget_bounds_what_flooding_pods_register() -> Result<()> {
         Ok([count(&cookies[0]), count(&cookies[1])])
     };
     let flood = |pod: &sidestep_tests::Pod, verb: &str, third_octet: u8| -> Result<()> {
-        let batch = env.tmp_dir().join(format!("{}-{verb}.batch", pod.name));
         let lines: String = (1..=80)
             .map(|i| format!("addr {verb} 10.250.{third_octet}.{i}/32 dev eth0\n"))
             .collect();
-        std::fs::write(&batch, lines)?;
-        pod.ip(&["-batch", &batch.display().to_string()])?;
-        Ok(())
+        pod.ip_batch(&env, &lines)
     };
     let bound = sidestep_tests::scaled(Duration::from_secs(15));
 
@@ -629,12 +624,7 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     // More routes than one pod writes for `-o <nic>` (userspace/src/enroll/limits.rs,
     // MAX_EXCLUSION_ROUTES = 256): the follower writes none, says so, and a destination routed
     // through net1 is captured (fail closed).
-    let batch = env.tmp_dir().join("routes.batch");
-    let routes: String = (0..300)
-        .map(|i| format!("route add 10.100.{}.{}/32 dev net1\n", i / 256, i % 256))
-        .collect();
-    std::fs::write(&batch, routes)?;
-    pod.ip(&["-batch", &batch.display().to_string()])?;
+    pod.ip_batch(&env, &sidestep_tests::host_routes(300, "10.100", "net1"))?;
     wait_until("the flooded routes followed", bound, || {
         Ok(route_entries()?.is_empty()
             && agent

@@ -89,20 +89,24 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
         Spawn::new(&[probe(), "proxy", &app_addr, "-", "--no-forward"]).user(1000, 1000),
     )?;
     std::thread::sleep(Duration::from_millis(300));
-    let out = client.run_with(
-        &env,
-        Spawn::new(&[
-            probe(),
-            "connect",
-            &app_addr,
-            "--http",
-            "--timeout-ms",
-            "10000",
-        ])
-        .user(1000, 1000),
-        Duration::from_secs(20),
-    )?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    // The client's request to the app as an unprivileged user: what it printed.
+    let request = || -> Result<String> {
+        let out = client.run_with(
+            &env,
+            Spawn::new(&[
+                probe(),
+                "connect",
+                &app_addr,
+                "--http",
+                "--timeout-ms",
+                "10000",
+            ])
+            .user(1000, 1000),
+            Duration::from_secs(20),
+        )?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let text = request()?;
     let seen: Value = serde_json::from_str(text.trim())
         .with_context(|| format!("client printed {text:?}\nztunnel:\n{}", ztunnel.stderr()))?;
     ensure!(
@@ -155,20 +159,7 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
             .count()
     };
     let before = through_ztunnel();
-    let out = client.run_with(
-        &env,
-        Spawn::new(&[
-            probe(),
-            "connect",
-            &app_addr,
-            "--http",
-            "--timeout-ms",
-            "5000",
-        ])
-        .user(1000, 1000),
-        Duration::from_secs(10),
-    )?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = request()?;
     ensure!(
         text.contains("\"status\":\"probe\""),
         "the client out of the mesh got {text:?}\nagent:\n{}",

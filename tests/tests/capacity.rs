@@ -283,19 +283,16 @@ fn enrolment_registers_at_most_the_cap_with_the_attachments_addresses_first() ->
     let pod = node.add_pod("flooded")?;
     let loaded = Loaded::load(&env)?;
     // eth0 (listed first) gets 100 more addresses; the attachment is net1, made after it.
-    let flood = env.tmp_dir().join("flood.batch");
     let lines: String = (0..100)
         .map(|i| format!("addr add 10.250.0.{i}/32 dev eth0\n"))
         .collect();
-    std::fs::write(&flood, lines)?;
-    pod.ip(&["-batch", &flood.display().to_string()])?;
+    pod.ip_batch(&env, &lines)?;
     pod.add_veth("net1", "10.77.0.2/24")?;
     // And more routes through net1 than one pod's source routes may be.
     let routes: String = (0..100)
         .map(|i| format!("route add 10.100.{i}.0/24 dev net1\n"))
         .collect();
-    std::fs::write(&flood, routes)?;
-    pod.ip(&["-batch", &flood.display().to_string()])?;
+    pod.ip_batch(&env, &routes)?;
     loaded.enroll(&pod, &["--interface", "net1"])?;
     let trie = env
         .pin_root()
@@ -355,12 +352,10 @@ fn enrolment_of_every_interface_of_a_crowded_netns_is_refused() -> Result<()> {
     let loaded = Loaded::load(&env)?;
     // eth0 and 17 veth pairs inside the pod: 35 interfaces (userspace/src/enroll/limits.rs,
     // MAX_UNNAMED_INTERFACES = 32).
-    let batch = env.tmp_dir().join("veths.batch");
     let lines: String = (0..17)
         .map(|i| format!("link add x{i} type veth peer name y{i}\n"))
         .collect();
-    std::fs::write(&batch, lines)?;
-    pod.ip(&["-batch", &batch.display().to_string()])?;
+    pod.ip_batch(&env, &lines)?;
     let err = loaded
         .enroll(&pod, &["--inbound-hook", "tc"])
         .expect_err("a netns of 35 interfaces enrolled whole");

@@ -153,12 +153,7 @@ fn a_flood_of_routes_writes_no_exclusion_routes() -> Result<()> {
         "{few} routes written for a pod with an excluded interface"
     );
 
-    let batch = env.tmp_dir().join("routes.batch");
-    let routes: String = (0..300)
-        .map(|i| format!("route add 10.100.{}.{}/32 dev net1\n", i / 256, i % 256))
-        .collect();
-    std::fs::write(&batch, routes)?;
-    pod.ip(&["-batch", &batch.display().to_string()])?;
+    pod.ip_batch(&env, &sidestep_tests::host_routes(300, "10.100", "net1"))?;
     loaded.enroll(&pod, &["--policy", &policy])?;
     // userspace/src/enroll/limits.rs, MAX_EXCLUSION_ROUTES (256).
     let flooded = route_list(&env)?.len();

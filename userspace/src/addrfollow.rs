@@ -210,8 +210,15 @@ impl AddressFollower {
         if !maps.is_enrolled(self.cookie)? {
             synced.removed = self.release(maps)?;
             synced.unenrolled = true;
+            // Nothing of it counts against the budget now; a freed budget must not wake it.
+            self.left_out = Default::default();
             return Ok(synced);
         }
+        // Entries the map no longer gives this pod (the maps were recreated, a re-enrolment
+        // rewrote them) are not this follower's to count against the node's budget.
+        let cookie = self.cookie;
+        self.added
+            .retain(|words| maps.addresses.get(words, 0).ok() == Some(cookie));
         // Routes too for a pod that excludes interfaces: `-o <nic>` follows them.
         let facts = crate::enroll::facts::read(&self.netns, !self.excluded.is_empty())?;
         let now: BTreeSet<[u32; 4]> = facts

@@ -26,7 +26,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::core::v1::Pod;
+mod leave;
 
 use super::{Agent, pods, repair};
 use crate::{
@@ -43,9 +43,6 @@ const PENDING: &str = "pending";
 const SYNC_INTERVAL: Duration = Duration::from_millis(250);
 /// How soon a pod ztunnel has not taken is tried again.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
-/// How soon a pod the watches say left the mesh is checked against the API again, after the API
-/// disagreed (a watch lagging behind) or did not answer.
-const RECHECK_INTERVAL: Duration = Duration::from_secs(5);
 
 /// What ztunnel was given, by pod UID.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +61,8 @@ pub struct Ambient {
     handed: Mutex<BTreeMap<String, Handed>>,
     /// Pods the watches say left the mesh, not taken out yet: when to ask the API again.
     rechecks: Mutex<BTreeMap<String, Instant>>,
+    /// Pods taken out whose redirection annotation is still to remove.
+    unannotated: Mutex<BTreeMap<String, repair::NodePod>>,
 }
 
 impl std::fmt::Debug for Ambient {
@@ -95,6 +94,7 @@ impl Ambient {
             zds: ZdsServer::listen_closed(socket)?,
             handed: Mutex::new(BTreeMap::new()),
             rechecks: Mutex::new(BTreeMap::new()),
+            unannotated: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -133,7 +133,10 @@ impl Ambient {
         // Pods with an ADD under way: ztunnel may hold them, and they are coming back.
         let mut held = BTreeSet::new();
         // Pods whose labels (or their namespace's) no longer select them, taken out this pass.
-        let mut taken_out: BTreeMap<String, repair::NodePod> = BTreeMap::new();
+        let mut taken_out: BTreeSet<String> = BTreeSet::new();
+        // At most one API read per pass for them: an API outage must not hold up ztunnel's Adds.
+        let mut confirms = 1;
+        let mut seen = BTreeSet::new();
         for r in records {
             // ztunnel names workloads by the pod's UID, which only the API knows.
             let Some(pod) = agent.pod_watch.pod(&r.namespace, &r.name) else {
@@ -142,17 +145,19 @@ impl Ambient {
             let Some(uid) = pod.metadata.uid.clone() else {
                 continue;
             };
+            seen.insert(uid.clone());
             if r.pending {
                 held.insert(uid);
                 continue;
             }
-            if self.take_out_if_unselected(agent, &r, &pod, &uid, kubeconfig.as_deref()) {
-                let pod = repair::NodePod {
-                    namespace: r.namespace,
-                    name: r.name,
-                    uid: uid.clone(),
-                };
-                taken_out.insert(uid, pod);
+            let check = leave::Check {
+                recorded: &r,
+                pod: &pod,
+                uid: &uid,
+                kubeconfig: kubeconfig.as_deref(),
+            };
+            if self.take_out_if_unselected(agent, &check, &mut confirms) {
+                taken_out.insert(uid);
                 continue;
             }
             let service_account = pod
@@ -181,15 +186,12 @@ impl Ambient {
             }
             self.handed().remove(uid);
         }
-        for (uid, pod) in &taken_out {
+        for uid in &taken_out {
             self.handed().remove(uid);
-            let Some(kc) = &kubeconfig else {
-                continue;
-            };
-            // As istio-cni's node agent does for a pod leaving the mesh.
-            if let Err(e) = super::podapi::annotate_status(kc, pod, REDIRECTION_ANNOTATION, None) {
-                tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %e, "ambient: removing the pod's redirection annotation");
-            }
+        }
+        self.forget_rechecks_except(&seen);
+        if let Some(kc) = &kubeconfig {
+            self.remove_annotations(kc);
         }
         let now = Instant::now();
         for (uid, (w, cookie)) in wanted {
@@ -229,8 +231,7 @@ impl Ambient {
                     name: w.name.clone(),
                     uid: uid.clone(),
                 };
-                match super::podapi::annotate_status(kc, &pod, REDIRECTION_ANNOTATION, Some(state))
-                {
+                match super::podapi::annotate_status(kc, &pod, REDIRECTION_ANNOTATION, state) {
                     Ok(()) => annotated = Some(state),
                     Err(e) => tracing::warn!(pod = %who, error = %e, "ambient: annotating the pod"),
                 }
@@ -253,93 +254,6 @@ impl Ambient {
             self.zds.open();
         }
     }
-}
-
-impl Ambient {
-    fn rechecks(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Instant>> {
-        self.rechecks.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Takes the pod out of the mesh when Istio's selectors no longer pick it (its label, or its
-    /// namespace's, removed or set to `none`), as istio-cni's node agent does: its capture and
-    /// records go as its DEL would take them, and the caller has ztunnel release it. The watches
-    /// only raise the question: the API, read now, must agree (a watch may lag behind what the
-    /// plugin read at the pod's ADD), and the pod must still be the one the watch holds. Anything
-    /// unknown keeps the pod captured.
-    fn take_out_if_unselected(
-        &self,
-        agent: &Agent,
-        r: &Recorded,
-        pod: &Pod,
-        uid: &str,
-        kubeconfig: Option<&Path>,
-    ) -> bool {
-        let Some(namespace_labels) = agent.pod_watch.namespace_labels(&r.namespace) else {
-            return false;
-        };
-        if selected_now(pod, &namespace_labels) {
-            self.rechecks().remove(uid);
-            return false;
-        }
-        let now = Instant::now();
-        if self.rechecks().get(uid).is_some_and(|at| *at > now) {
-            return false;
-        }
-        self.rechecks()
-            .insert(uid.to_owned(), now + RECHECK_INTERVAL);
-        let Some(kc) = kubeconfig else {
-            return false;
-        };
-        let who = format!("{}/{}", r.namespace, r.name);
-        match super::podapi::pod_and_namespace(kc, &r.namespace, &r.name) {
-            Ok((fresh, ns)) => {
-                let labels = ns.metadata.labels.unwrap_or_default();
-                if fresh.metadata.uid.as_deref() != Some(uid) || selected_now(&fresh, &labels) {
-                    return false;
-                }
-            }
-            Err(e) => {
-                tracing::warn!(pod = %who, error = %e, "ambient: the watches say the pod left the mesh; keeping it in until the API confirms");
-                return false;
-            }
-        }
-        let s = &agent.settings;
-        let mut removed = 0;
-        for (path, record) in pods::records(&s.state_dir) {
-            if record.netns_cookie != r.netns_cookie
-                || record.pin_root.as_deref().is_some_and(|p| p != s.pin_root)
-            {
-                continue;
-            }
-            if record.pending {
-                // An ADD of this netns is under way; the next pass decides again.
-                return false;
-            }
-            if let Err(e) = super::reconcile::unenroll_and_forget(s, &path, &record) {
-                tracing::warn!(pod = %who, record = %path.display(), error = %e, "ambient: taking the pod out of the mesh");
-                return false;
-            }
-            removed += 1;
-        }
-        self.rechecks().remove(uid);
-        tracing::info!(
-            pod = %who,
-            netns_cookie = r.netns_cookie,
-            records = removed,
-            "ambient: the pod left the mesh (its labels, or its namespace's, no longer select it); its capture is removed and ztunnel releases it"
-        );
-        true
-    }
-}
-
-/// Whether Istio's ambient selectors pick `pod` with its namespace's `namespace_labels`.
-fn selected_now(pod: &Pod, namespace_labels: &BTreeMap<String, String>) -> bool {
-    let meta = &pod.metadata;
-    crate::policy::ambient_selectors::selected(
-        &meta.labels.clone().unwrap_or_default(),
-        &meta.annotations.clone().unwrap_or_default(),
-        namespace_labels,
-    )
 }
 
 /// Whether `path` is the netns with `cookie` now.

@@ -146,14 +146,13 @@ pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
     })
 }
 
-/// Sets one annotation (or with `None` removes it) through the pods/status subresource (a JSON
-/// merge patch), as istio-cni writes `ambient.istio.io/redirection`: it needs `patch` on
-/// pods/status only.
+/// Sets one annotation through the pods/status subresource (a JSON merge patch), as istio-cni
+/// writes `ambient.istio.io/redirection`: it needs `patch` on pods/status only.
 pub fn annotate_status(
     kubeconfig: &Path,
     pod: &NodePod,
     key: &str,
-    value: Option<&str>,
+    value: &str,
 ) -> Result<(), String> {
     let (ns, name) = (pod.namespace.clone(), pod.name.clone());
     let patch = json!({"metadata": {"annotations": {key: value}}});
@@ -185,4 +184,23 @@ pub fn pod_and_namespace(
             .map_err(|e| format!("reading namespace {ns}: {e}"))?;
         Ok((pod, namespace))
     })
+}
+
+/// Removes one annotation through the pods/status subresource, from this pod only: the patch
+/// carries its UID, which the API server takes as a precondition. A pod that is gone, or is
+/// another pod under the same name now, counts as done.
+pub fn remove_annotation_status(kubeconfig: &Path, pod: &NodePod, key: &str) -> Result<(), String> {
+    let (ns, name) = (pod.namespace.clone(), pod.name.clone());
+    let patch = json!({"metadata": {"uid": pod.uid, "annotations": {key: null}}});
+    block_on(
+        kubeconfig,
+        async move |client: Client| match Api::<Pod>::namespaced(client, &ns)
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+            Err(e) => Err(format!("removing an annotation of pod {ns}/{name}: {e}")),
+        },
+    )
 }

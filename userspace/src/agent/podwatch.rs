@@ -8,7 +8,7 @@
 //! too old), and backs off on errors; both are logged.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::{
         Arc, Mutex, OnceLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -138,29 +138,16 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
         .reflect(writer)
         .boxed();
     tracing::info!(node = %node, "watching this node's pods");
-    // Ambient mode: each pod's labels as last seen, by UID. A pod labelled into the mesh while
-    // it runs must be asked about again, although repair remembers its netns as skipped.
-    let mut labels_seen: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    // Ambient mode: each pod's `istio.io/dataplane-mode` as last seen, by UID. A pod labelled
+    // into the mesh while it runs must be asked about again, although repair remembers its netns
+    // as skipped; other label changes (leader election, rollouts) must not make it ask again
+    // about every skipped pod.
+    let mut modes_seen: BTreeMap<String, Option<String>> = BTreeMap::new();
+    let mut relisted: BTreeSet<String> = BTreeSet::new();
     let ambient = agent.settings.ambient;
     while let Some(event) = stream.next().await {
         if ambient {
-            match &event {
-                Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
-                    let uid = pod.metadata.uid.clone().unwrap_or_default();
-                    let labels = pod.metadata.labels.clone().unwrap_or_default();
-                    if labels_seen
-                        .insert(uid, labels.clone())
-                        .is_some_and(|before| before != labels)
-                    {
-                        tracing::debug!(pod = ?pod.metadata.name, "pod labels changed");
-                        super::repair::forget_skips();
-                    }
-                }
-                Ok(watcher::Event::Delete(pod)) => {
-                    labels_seen.remove(&pod.metadata.uid.clone().unwrap_or_default());
-                }
-                _ => {}
-            }
+            follow_mode_labels(&event, &mut modes_seen, &mut relisted);
         }
         match event {
             Ok(watcher::Event::InitDone) => {
@@ -193,6 +180,51 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
                 *last = Some(text);
             }
         }
+    }
+}
+
+/// Keeps `modes_seen` (pod UID -> its `istio.io/dataplane-mode` label) in step with the watch,
+/// and has repair forget its skips when a pod's changes. A relist rebuilds it (`relisted`
+/// collects the UIDs listed): deletes during a broken watch come as no event.
+fn follow_mode_labels(
+    event: &Result<watcher::Event<Pod>, watcher::Error>,
+    modes_seen: &mut BTreeMap<String, Option<String>>,
+    relisted: &mut BTreeSet<String>,
+) {
+    let uid_and_mode = |pod: &Pod| {
+        let mode = pod.metadata.labels.as_ref().and_then(|l| {
+            l.get(crate::policy::ambient_selectors::DATAPLANE_MODE)
+                .cloned()
+        });
+        (pod.metadata.uid.clone().unwrap_or_default(), mode)
+    };
+    match event {
+        Ok(watcher::Event::Init) => relisted.clear(),
+        Ok(watcher::Event::InitApply(pod)) => {
+            let (uid, mode) = uid_and_mode(pod);
+            relisted.insert(uid.clone());
+            if modes_seen
+                .insert(uid, mode.clone())
+                .is_some_and(|before| before != mode)
+            {
+                super::repair::forget_skips();
+            }
+        }
+        Ok(watcher::Event::InitDone) => modes_seen.retain(|uid, _| relisted.contains(uid)),
+        Ok(watcher::Event::Apply(pod)) => {
+            let (uid, mode) = uid_and_mode(pod);
+            if modes_seen
+                .insert(uid, mode.clone())
+                .is_some_and(|before| before != mode)
+            {
+                tracing::debug!(pod = ?pod.metadata.name, mode = ?mode, "pod's dataplane mode changed");
+                super::repair::forget_skips();
+            }
+        }
+        Ok(watcher::Event::Delete(pod)) => {
+            modes_seen.remove(&uid_and_mode(pod).0);
+        }
+        Err(_) => {}
     }
 }
 

@@ -289,14 +289,29 @@ fn undo_dead_add(
     Ok(true)
 }
 
-/// Unenrols the record's netns and removes the record with its index entry and the netns's
-/// markers, as a DEL of its last attachment would (its netns is gone, or its pod left the mesh).
-pub(super) fn unenroll_and_forget(
-    s: &Settings,
-    path: &Path,
-    record: &Record,
-) -> Result<bool, ReconcileError> {
+/// Held by a reconcile pass, which enrols pods again from their records, and by whatever else
+/// removes the records of a live pod (the ambient thread, for a pod leaving the mesh).
+static RECORDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The records lock, unless a reconcile pass holds it.
+pub(super) fn records_lock_if_free() -> Option<std::sync::MutexGuard<'static, ()>> {
+    match RECORDS.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+/// Unenrols the record's netns (gone) by its cookie and forgets the record.
+fn unenroll_and_forget(s: &Settings, path: &Path, record: &Record) -> Result<bool, ReconcileError> {
     let was = unenroll(&s.pin_root, record.netns_cookie)?;
+    forget(s, path, record)?;
+    Ok(was)
+}
+
+/// Removes the record with its index entry and the netns's markers, as a DEL of its last
+/// attachment would.
+pub(super) fn forget(s: &Settings, path: &Path, record: &Record) -> Result<(), ReconcileError> {
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(ReconcileError::RemoveRecord {
             path: path.to_path_buf(),
@@ -304,7 +319,7 @@ pub(super) fn unenroll_and_forget(
         }),
         _ => {
             unindex(s, record, true);
-            Ok(was)
+            Ok(())
         }
     }
 }
@@ -435,6 +450,9 @@ pub fn reconcile(
         scan_proc: s.scan_proc,
         proc_dir: &s.proc_dir,
     };
+    let _records = RECORDS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let live = pods::live_netns(&scan);
     let live_cookies: BTreeSet<u64> = live.iter().map(|l| l.cookie).collect();
     let records = pods::records(&s.state_dir);
