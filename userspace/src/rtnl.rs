@@ -4,11 +4,14 @@
 use std::io;
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader,
+    NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+/// How many times a dump the kernel marks interrupted is asked for.
+const DUMP_ATTEMPTS: usize = 5;
 
 /// A NETLINK_ROUTE socket of the calling thread's netns.
 pub(crate) struct Rtnl {
@@ -45,7 +48,7 @@ impl Rtnl {
             flags |= NLM_F_CREATE | NLM_F_EXCL;
         }
         self.send(message, flags)?;
-        self.until_answered(8192, |payload| {
+        self.until_answered(8192, |_, payload| {
             let NetlinkPayload::Error(err) = payload else {
                 return None;
             };
@@ -69,26 +72,42 @@ impl Rtnl {
         })
     }
 
-    /// Sends a dump request and collects every message of the reply.
+    /// Sends a dump request and collects every message of the reply. A dump the kernel marks
+    /// interrupted (`NLM_F_DUMP_INTR`: the table changed under it, so entries may be missing) is
+    /// asked for again; after [`DUMP_ATTEMPTS`] such answers it is an error, not a partial list.
     pub(crate) fn dump(
         &mut self,
         message: RouteNetlinkMessage,
     ) -> io::Result<Vec<RouteNetlinkMessage>> {
-        self.send(message, NLM_F_REQUEST | NLM_F_DUMP)?;
-        let mut out = Vec::new();
-        self.until_answered(32768, |payload| match payload {
-            NetlinkPayload::Done(_) => Some(Ok(())),
-            NetlinkPayload::Error(err) => Some(match err.code {
-                None => Ok(()),
-                Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
-            }),
-            NetlinkPayload::InnerMessage(m) => {
-                out.push(m);
-                None
+        for _ in 0..DUMP_ATTEMPTS {
+            self.send(message.clone(), NLM_F_REQUEST | NLM_F_DUMP)?;
+            let mut out = Vec::new();
+            let mut interrupted = false;
+            self.until_answered(32768, |flags, payload| {
+                interrupted |= flags & NLM_F_DUMP_INTR != 0;
+                match payload {
+                    NetlinkPayload::Done(_) => Some(Ok(())),
+                    NetlinkPayload::Error(err) => Some(match err.code {
+                        None => Ok(()),
+                        Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
+                    }),
+                    NetlinkPayload::InnerMessage(m) => {
+                        out.push(m);
+                        None
+                    }
+                    _ => None,
+                }
+            })?;
+            if !interrupted {
+                return Ok(out);
             }
-            _ => None,
-        })?;
-        Ok(out)
+        }
+        Err(io::Error::new(
+            io::ErrorKind::Interrupted,
+            format!(
+                "the netlink dump was interrupted {DUMP_ATTEMPTS} times (the table kept changing)"
+            ),
+        ))
     }
 
     /// Reads replies to the last request, handing each payload of its sequence number to
@@ -96,7 +115,7 @@ impl Rtnl {
     fn until_answered(
         &mut self,
         buffer: usize,
-        mut answer: impl FnMut(NetlinkPayload<RouteNetlinkMessage>) -> Option<io::Result<()>>,
+        mut answer: impl FnMut(u16, NetlinkPayload<RouteNetlinkMessage>) -> Option<io::Result<()>>,
     ) -> io::Result<()> {
         let mut reply = vec![0; buffer];
         loop {
@@ -107,7 +126,7 @@ impl Rtnl {
                     .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
                 let len = msg.header.length as usize;
                 if msg.header.sequence_number == self.seq
-                    && let Some(outcome) = answer(msg.payload)
+                    && let Some(outcome) = answer(msg.header.flags, msg.payload)
                 {
                     return outcome;
                 }
