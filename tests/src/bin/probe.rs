@@ -8,7 +8,7 @@
 //!     given; within N ms, default 5000) and print {"peer","local","status"}, or
 //!     {"error","errno"} when the connect fails
 //! probe udp-serve ADDR [--name N]    answer every datagram with "[N: ]reply to <sender>"
-//! probe udp-query ADDR [--connect] [--unbound] [--first ADDR]
+//! probe udp-query ADDR [--connect] [--unbound] [--first ADDR] [--mark N]
 //!     send one datagram (from a socket never bound, with --unbound; connected to --first
 //!     before), print {"from","reply","local"} or {"error","stage"}
 //! probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only]
@@ -101,6 +101,7 @@ fn main() {
                 connect: flag("--connect"),
                 unbound: flag("--unbound"),
                 first: option("--first").map(parse),
+                mark: option("--mark").map(|m| m.parse().expect("probe: --mark takes a number")),
             },
         ),
         Some("proxy") => {
@@ -255,7 +256,7 @@ fn main() {
             eprintln!(
                 "usage: probe connect ADDR [--http] [--bind ADDR] [--device IFNAME] [--timeout-ms N] | \
                  probe udp-serve ADDR [--name N] | \
-                 probe udp-query ADDR [--connect] [--unbound] [--first ADDR] | \
+                 probe udp-query ADDR [--connect] [--unbound] [--first ADDR] [--mark N] | \
                  probe proxy ADDR[,ADDR...] REPORT [--no-forward] [--v6only] [--accept-after-ms N] | \
                  probe tfo ADDR [--data TEXT] | \
                  probe connect-sock ADDR [--bind ADDR] [--reuseaddr] [--mark N] [--fill-optmem] \

@@ -32,6 +32,8 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     ("dns", &[]),
     // excludeInterfaces' routes as each kernel dumps them: multipath, nexthop objects.
     ("exclusion_routes", &[]),
+    // Ambient DNS over UDP against istio-cni's rules: sendmsg/recvmsg under each kernel.
+    ("parity_ambient_dns", &[]),
 ];
 
 /// Left out of `full`: the benchmark measures the host, and under TCG it would measure qemu.

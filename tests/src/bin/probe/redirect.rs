@@ -166,6 +166,8 @@ pub(super) struct UdpQuery {
     /// Connect to this address first, then to the real one (a resolver moving on to another
     /// server on the same socket).
     pub first: Option<SocketAddr>,
+    /// SO_MARK (ztunnel marks its own queries).
+    pub mark: Option<u32>,
 }
 
 /// Sends one datagram to `addr` and prints {"from","reply","local"} (`local`: getsockname once
@@ -203,6 +205,16 @@ pub(super) fn udp_query(addr: SocketAddr, q: &UdpQuery) -> i32 {
             Err(e) => return fail("bind", &e),
         }
     };
+    if let Some(mark) = q.mark
+        && let Err(e) = crate::sock::set_int(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            libc::SOL_SOCKET,
+            libc::SO_MARK,
+            mark as libc::c_int,
+        )
+    {
+        return fail("SO_MARK", &e);
+    }
     let _ = sock.set_read_timeout(Some(Duration::from_secs(3)));
     if let Some(first) = q.first
         && let Err(e) = sock.connect(first)
