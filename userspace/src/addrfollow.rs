@@ -111,6 +111,17 @@ impl Synced {
     }
 }
 
+/// What one sync left out of the maps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct LeftOut {
+    addresses: usize,
+    /// Of those, the ones over the node's budget.
+    over_budget: usize,
+    source_routes: usize,
+    /// The pod's route count when it is past the exclusion routes' cap.
+    exclusion_routes: Option<usize>,
+}
+
 /// One pod netns's address subscription, and the map entries it added.
 pub struct AddressFollower {
     netns: Netns,
@@ -122,9 +133,8 @@ pub struct AddressFollower {
     next_sync: Option<Instant>,
     /// Notifications arrived that no sync has read yet.
     pending: bool,
-    /// What the last sync left out (addresses, of them over the node's budget, source routes,
-    /// exclusion routes), so a warning is given once per change.
-    left_out: (usize, usize, usize, Option<usize>),
+    /// What the last sync left out, so a warning is given once per change.
+    left_out: LeftOut,
     /// The interfaces the pod's policy excludes (`excludeInterfaces`).
     excluded: Vec<String>,
 }
@@ -155,7 +165,7 @@ impl AddressFollower {
             added: BTreeSet::new(),
             next_sync: None,
             pending: false,
-            left_out: (0, 0, 0, None),
+            left_out: LeftOut::default(),
             excluded: Vec::new(),
         })
     }
@@ -268,12 +278,12 @@ impl AddressFollower {
         };
         synced.source = source?;
         synced.exclusion = exclusion?;
-        let left_out = (
-            synced.left_out,
-            synced.over_budget,
-            synced.source.routes_left_out,
-            synced.exclusion.routes_over_cap,
-        );
+        let left_out = LeftOut {
+            addresses: synced.left_out,
+            over_budget: synced.over_budget,
+            source_routes: synced.source.routes_left_out,
+            exclusion_routes: synced.exclusion.routes_over_cap,
+        };
         synced.left_out_changed = std::mem::replace(&mut self.left_out, left_out) != left_out;
         Ok(synced)
     }
@@ -434,7 +444,10 @@ pub fn follow(
         if total < budget {
             // Room freed (a pod lost addresses, or went): a pod left over the budget takes its
             // share without waiting for a change of its own.
-            for f in followers.values_mut().filter(|f| f.left_out.1 > 0) {
+            for f in followers
+                .values_mut()
+                .filter(|f| f.left_out.over_budget > 0)
+            {
                 f.pending = true;
             }
         }

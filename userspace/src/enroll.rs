@@ -281,17 +281,15 @@ fn netns_keys(
         }
     }
     let room = MAX_POD_ADDRESSES.saturating_sub(entries.addresses.len());
-    let found = addresses.clone();
     let left_out = keep_within(&mut addresses, &interface_addresses, room);
-    if left_out > 0 {
+    if !left_out.is_empty() {
         // The record names what this attachment registered: CHECK verifies each, and a flooded
         // interface would otherwise put thousands into it.
-        let kept: HashSet<&IpAddr> = addresses.iter().collect();
-        let dropped: HashSet<&IpAddr> = found.iter().filter(|ip| !kept.contains(ip)).collect();
-        interface_addresses.retain(|ip| !dropped.contains(ip));
+        let left_out: HashSet<&IpAddr> = left_out.iter().collect();
+        interface_addresses.retain(|ip| !left_out.contains(ip));
         tracing::warn!(
             netns_cookie,
-            left_out,
+            left_out = left_out.len(),
             max = MAX_POD_ADDRESSES,
             "the netns has more addresses than are registered for one pod; connections to the \
              rest are captured as outbound"

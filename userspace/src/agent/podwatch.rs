@@ -200,19 +200,12 @@ fn follow_mode_labels(
     };
     match event {
         Ok(watcher::Event::Init) => relisted.clear(),
-        Ok(watcher::Event::InitApply(pod)) => {
-            let (uid, mode) = uid_and_mode(pod);
-            relisted.insert(uid.clone());
-            if modes_seen
-                .insert(uid, mode.clone())
-                .is_some_and(|before| before != mode)
-            {
-                super::repair::forget_skips();
-            }
-        }
         Ok(watcher::Event::InitDone) => modes_seen.retain(|uid, _| relisted.contains(uid)),
-        Ok(watcher::Event::Apply(pod)) => {
+        Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod)) => {
             let (uid, mode) = uid_and_mode(pod);
+            if matches!(event, Ok(watcher::Event::InitApply(_))) {
+                relisted.insert(uid.clone());
+            }
             if modes_seen
                 .insert(uid, mode.clone())
                 .is_some_and(|before| before != mode)

@@ -302,13 +302,6 @@ pub(super) fn records_lock_if_free() -> Option<std::sync::MutexGuard<'static, ()
     }
 }
 
-/// Unenrols the record's netns (gone) by its cookie and forgets the record.
-fn unenroll_and_forget(s: &Settings, path: &Path, record: &Record) -> Result<bool, ReconcileError> {
-    let was = unenroll(&s.pin_root, record.netns_cookie)?;
-    forget(s, path, record)?;
-    Ok(was)
-}
-
 /// Removes the record with its index entry and the netns's markers, as a DEL of its last
 /// attachment would.
 pub(super) fn forget(s: &Settings, path: &Path, record: &Record) -> Result<(), ReconcileError> {
@@ -480,7 +473,9 @@ pub fn reconcile(
                 continue;
             }
         }
-        match unenroll_and_forget(s, path, record) {
+        match unenroll(&s.pin_root, record.netns_cookie)
+            .and_then(|was| forget(s, path, record).map(|()| was))
+        {
             Ok(was) => {
                 tracing::info!(
                     pod = %pod_label(record),

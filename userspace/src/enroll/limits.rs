@@ -14,15 +14,18 @@ use super::Route;
 pub const MAX_POD_ADDRESSES: usize = 64;
 
 /// Keeps at most `room` of `addresses`, the attachment's own (`first`) before the rest, in their
-/// order otherwise; returns how many it left out.
-pub(crate) fn keep_within(addresses: &mut Vec<IpAddr>, first: &[IpAddr], room: usize) -> usize {
+/// order otherwise; returns the ones it left out.
+pub(crate) fn keep_within(
+    addresses: &mut Vec<IpAddr>,
+    first: &[IpAddr],
+    room: usize,
+) -> Vec<IpAddr> {
     // A set: a flooded interface lists thousands of addresses.
     let first: HashSet<&IpAddr> = first.iter().collect();
     let (mut kept, rest): (Vec<IpAddr>, Vec<IpAddr>) =
         addresses.iter().partition(|ip| first.contains(ip));
     kept.extend(rest);
-    let left_out = kept.len().saturating_sub(room);
-    kept.truncate(room);
+    let left_out = kept.split_off(room.min(kept.len()));
     *addresses = kept;
     left_out
 }
@@ -78,9 +81,9 @@ mod tests {
             ip("fd00::5"),
         ];
         let own = [ip("fd00::5"), ip("10.0.0.5")];
-        assert_eq!(keep_within(&mut addresses, &own, 3), 1);
+        assert_eq!(keep_within(&mut addresses, &own, 3).len(), 1);
         assert_eq!(addresses, [ip("10.0.0.5"), ip("fd00::5"), ip("10.9.0.1")]);
-        assert_eq!(keep_within(&mut addresses, &own, 0), 3);
+        assert_eq!(keep_within(&mut addresses, &own, 0).len(), 3);
         assert!(addresses.is_empty());
     }
 }
