@@ -166,6 +166,20 @@ pub fn ztunnel_local_xds(
     out
 }
 
+/// The policy istiod sends ztunnel for a STRICT PeerAuthentication in `namespace`: deny every
+/// connection without a peer identity (plaintext), to go in place of the empty `policies` of
+/// `ztunnel_local_xds`.
+pub fn ztunnel_strict_mtls(xds: &str, namespace: &str) -> String {
+    xds.replace(
+        "policies: []\n",
+        &format!(
+            "policies:\n- name: converted_peer_authentication_strict\n  namespace: {namespace}\n  \
+             scope: Namespace\n  action: Deny\n  dryRun: false\n  rules:\n  - - - \
+             notPrincipals:\n        - !Presence []\n"
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

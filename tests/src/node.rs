@@ -117,6 +117,19 @@ impl Node {
         &self.bridge
     }
 
+    /// Gives the bridge (the node's side of every pod) one more local address, which goes with
+    /// the bridge when the node is dropped. IPv6 ones skip duplicate address detection, so they
+    /// are usable at once.
+    pub fn add_bridge_address(&self, addr: IpNet) -> Result<()> {
+        let addr = addr.to_string();
+        let mut argv = vec!["ip", "addr", "add", &addr, "dev", &self.bridge];
+        if addr.contains(':') {
+            argv.push("nodad");
+        }
+        crate::util::cmd(&argv)?;
+        Ok(())
+    }
+
     /// The CNI network name.
     pub fn network(&self) -> &str {
         &self.network

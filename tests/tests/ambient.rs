@@ -422,3 +422,177 @@ fn ztunnel_serve_hands_its_workloads_to_each_connection() -> Result<()> {
     ensure!(String::from_utf8_lossy(&out.stderr).contains("5 fields"));
     Ok(())
 }
+
+/// `redirect_kind::NODE_SOCKET` (ebpf/sidestep-abi): a record of a node socket's connection.
+const NODE_SOCKET_KIND: u64 = 6;
+
+/// The node's own connections to an ambient pod's app (kubelet's probes) reach the app, not
+/// ztunnel's 15006, as istio-cni's `--socket-exists` SNAT on the node makes them: with STRICT
+/// mTLS ztunnel would refuse them as plaintext and kubelet would restart the pod. The node here
+/// is a process in the machine's own netns, under the test's cgroup (kubelet runs under the
+/// node's cgroup2 root, where the agent attaches in a cluster). The same connection from a pod
+/// outside the mesh is still captured. No record of the node's sockets outlives its handshake.
+#[test]
+fn the_nodes_own_connections_reach_an_ambient_app() -> Result<()> {
+    if skip_unless_root("the_nodes_own_connections_reach_an_ambient_app") {
+        return Ok(());
+    }
+    let env = TestEnv::new("ambient-node")?;
+    // Every part is bound: the API server and the directories must live as long as the test.
+    let AmbientNode {
+        api: _api,
+        agent,
+        node,
+        uds,
+        _dirs,
+        ..
+    } = AmbientNode::start(
+        &env,
+        vec![
+            api_pod(NODE, "mesh", "server", &[], false),
+            api_pod(NODE, "plain", "other", &[], false),
+        ],
+    )?;
+    let pod = |name: &str, ns: &str| {
+        node.add_pod_with(
+            name,
+            PodOptions {
+                namespace: ns.into(),
+                ..Default::default()
+            },
+        )
+    };
+    let server = pod("server", "mesh")?;
+    let other = pod("other", "plain")?;
+    let ztunnel = start_ztunnel(&env, &uds)?;
+    wait_until("ztunnel to get the server", Duration::from_secs(10), || {
+        Ok(zds_events(&ztunnel, "add", "uid-mesh-server") >= 1)
+    })
+    .with_context(|| format!("{}\n{}", ztunnel.stdout(), agent.log()))?;
+    let app_port = format!("{}:8080", server.ipv4);
+    let mut app = server.spawn(
+        &env,
+        Spawn::new(&[probe(), "proxy", &app_port, "-", "--no-forward"]),
+    )?;
+    sidestep_tests::wait_listening(
+        &mut app,
+        &[app_port.parse().context("the app's address")?],
+        Duration::from_secs(5),
+    )?;
+    let accepted_by_app = |from: &str| {
+        app.stdout()
+            .lines()
+            .filter(|l| l.contains(&format!("\"peer\":\"{from}:")))
+            .count()
+    };
+
+    // From the node: the app accepts, from the node's own address; ztunnel sees nothing.
+    let gateway = node.gateway_v4().to_string();
+    for _ in 0..3 {
+        let out = env.run(
+            Spawn::new(&[probe(), "connect", &app_port]),
+            Duration::from_secs(10),
+        )?;
+        ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    wait_until(
+        "the app to accept the node's connections",
+        Duration::from_secs(5),
+        || Ok(accepted_by_app(&gateway) == 3),
+    )
+    .with_context(|| app.stdout())?;
+    ensure!(
+        accepted(&ztunnel, "uid-mesh-server", "15006").is_empty(),
+        "ztunnel took a connection of the node: {}",
+        ztunnel.stdout()
+    );
+
+    // From a pod outside the mesh, which the node only forwards: ztunnel's 15006.
+    let out = other.run(&env, 1000, &[probe(), "connect", &app_port])?;
+    ensure!(out.status.success());
+    wait_until(
+        "ztunnel to take the pod's connection",
+        Duration::from_secs(5),
+        || Ok(!accepted(&ztunnel, "uid-mesh-server", "15006").is_empty()),
+    )?;
+    ensure!(
+        accepted_by_app(&other.ipv4.to_string()) == 0,
+        "{}",
+        app.stdout()
+    );
+
+    // The records: none outlives its handshake. A connection the node holds open keeps none
+    // once the app accepted it (they share an LRU with every pod's hand-offs), and one the pod
+    // refuses (nothing listens; not captured, so the node sees the refusal) leaves none either.
+    let node_records = || -> Result<usize> {
+        let pending = env.pin_root().join("maps/SIDESTEP_PEND");
+        let all = sidestep_tests::faults::bpftool(&[
+            "map",
+            "dump",
+            "pinned",
+            &pending.display().to_string(),
+        ])?;
+        Ok(all
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["formatted"]["value"]["kind"].as_u64() == Some(NODE_SOCKET_KIND))
+            .count())
+    };
+    let held_port = format!("{}:8081", server.ipv4);
+    let mut holder = server.spawn(&env, Spawn::new(&[probe(), "hold", &held_port]))?;
+    sidestep_tests::wait_listening(
+        &mut holder,
+        &[held_port.parse().context("the holder's address")?],
+        Duration::from_secs(5),
+    )?;
+    let _held = env.spawn(Spawn::new(&[
+        probe(),
+        "connect-sock",
+        &held_port,
+        "--read",
+        "--timeout-ms",
+        "30000",
+    ]))?;
+    wait_until(
+        "the app to accept the held connection",
+        Duration::from_secs(5),
+        || {
+            Ok(holder
+                .stdout()
+                .contains(&format!("\"accepted\":\"{gateway}:")))
+        },
+    )
+    .with_context(|| holder.stdout())?;
+    wait_until(
+        "the held connection's record to go",
+        Duration::from_secs(5),
+        || Ok(node_records()? == 0),
+    )?;
+    let refused = env.run(
+        Spawn::new(&[probe(), "connect", &format!("{}:9", server.ipv4)]),
+        Duration::from_secs(10),
+    )?;
+    let refused = String::from_utf8_lossy(&refused.stdout).into_owned();
+    ensure!(
+        refused.contains(&format!("\"errno\":{}", libc::ECONNREFUSED)),
+        "the node's connection to a closed port: {refused}"
+    );
+    wait_until(
+        "the refused connection's record to go",
+        Duration::from_secs(5),
+        || Ok(node_records()? == 0),
+    )?;
+    ensure!(
+        accepted(&ztunnel, "uid-mesh-server", "15006").len() == 1,
+        "ztunnel took a connection of the node: {}",
+        ztunnel.stdout()
+    );
+    drop((server, other));
+    drop(node);
+    Ok(())
+}

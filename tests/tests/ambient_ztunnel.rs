@@ -22,7 +22,9 @@ use sidestep_tests::{Spawn, TestEnv, skip_unless_root};
 /// The same node with an unmodified ztunnel (`SIDESTEP_ZTUNNEL`): two ambient pods talk through
 /// ztunnel's HBONE (mTLS from its test CA), the server's app sees the client's own address
 /// (ztunnel delivers from it; sidestep's connection mark brings the replies back), and the
-/// client sees the server's address as its peer.
+/// client sees the server's address as its peer. The namespace has STRICT mTLS: plaintext from a
+/// pod outside the mesh is refused by ztunnel's policy, while the node's own request (kubelet's
+/// probe) reaches the app.
 #[test]
 fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
     if skip_unless_root("ambient_through_an_unmodified_ztunnel") {
@@ -52,16 +54,18 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
     // ztunnel's own pod: a netns on the node, not in the mesh.
     let zpod = n.pod("ztunnel", "istio-system")?;
     let xds = env.tmp_dir().join("ztunnel-xds.yaml");
+    // STRICT mTLS in the namespace: ztunnel refuses plaintext to its pods.
+    let workloads = sidestep_tests::istio_ambient::ztunnel_local_xds(
+        "mesh",
+        NODE,
+        &[
+            ("client", "default", client.ipv4),
+            ("server", "server-sa", server.ipv4),
+        ],
+    );
     std::fs::write(
         &xds,
-        sidestep_tests::istio_ambient::ztunnel_local_xds(
-            "mesh",
-            NODE,
-            &[
-                ("client", "default", client.ipv4),
-                ("server", "server-sa", server.ipv4),
-            ],
-        ),
+        sidestep_tests::istio_ambient::ztunnel_strict_mtls(&workloads, "mesh"),
     )?;
     let uds = n.uds.display().to_string();
     let xds_path = xds.display().to_string();
@@ -142,6 +146,48 @@ fn ambient_through_an_unmodified_ztunnel() -> Result<()> {
         }))
     })
     .with_context(|| ztunnel.stdout())?;
+
+    // Plaintext to the app: from a pod outside the mesh (ztunnel's own netns) it is captured to
+    // the server's 15006 and refused under STRICT mTLS; from the node (kubelet's probe) it reaches
+    // the app, as istio-cni's node SNAT lets it. Without that, kubelet's probes of every pod of
+    // a STRICT namespace would fail.
+    let plaintext = |out: std::process::Output| String::from_utf8_lossy(&out.stdout).into_owned();
+    let get_argv = [
+        probe(),
+        "connect",
+        &app_addr,
+        "--http",
+        "--timeout-ms",
+        "5000",
+    ];
+    let get = Spawn::new(&get_argv);
+    let from_pod = plaintext(zpod.run_with(&env, get, Duration::from_secs(10))?);
+    ensure!(
+        !from_pod.contains("\"status\":\"probe\""),
+        "plaintext from a pod outside the mesh reached the app: {from_pod}\nztunnel:\n{}",
+        ztunnel.stdout()
+    );
+    let refused = format!("src.addr={}:", zpod.ipv4);
+    wait_until("ztunnel's refusal", Duration::from_secs(5), || {
+        Ok(ztunnel
+            .stdout()
+            .lines()
+            .any(|l| l.contains(&refused) && l.contains("policy rejection")))
+    })
+    .with_context(|| ztunnel.stdout())?;
+    let from_node = plaintext(env.run(get, Duration::from_secs(10))?);
+    ensure!(
+        from_node.contains("\"status\":\"probe\""),
+        "the node's plaintext request got {from_node:?}\nztunnel:\n{}",
+        ztunnel.stdout()
+    );
+    let gateway = format!("\"peer\":\"{}:", n.node.gateway_v4());
+    let zpod_peer = format!("\"peer\":\"{}:", zpod.ipv4);
+    ensure!(
+        app.stdout().contains(&gateway) && !app.stdout().contains(&zpod_peer),
+        "the app's report: {}",
+        app.stdout()
+    );
 
     // The namespace's label removed while both pods run: the agent takes them out of the mesh
     // and ztunnel releases them (Istio's DelWorkload). The client then reaches the app

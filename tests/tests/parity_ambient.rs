@@ -9,6 +9,15 @@
 //! S's app from the client's own address (its default when it may), which needs the way back:
 //! the app's replies must reach ztunnel's transparent socket, not leave the pod.
 //!
+//! A process on the node stands for kubelet probing S. istio-cni's node agent SNATs such
+//! connections (`-m owner --socket-exists`, in the node's nat POSTROUTING) to 169.254.7.127,
+//! which S's rules pass; the node here is the machine's own netns, where the test adds no nat
+//! rule, so in the oracle's run the node's socket takes that source itself (bound to it, on the
+//! test's bridge): the packets S sees are the ones the SNAT would give it. sidestep installs
+//! nothing on the node; it records the node's own socket (`ambient::node_socket_record`). The
+//! app then sees the node's address, not 169.254.7.127: the one intended difference
+//! (`acceptable`).
+//!
 //! Needs root; skips otherwise.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -45,7 +54,7 @@ enum Src {
     ZtunnelFromClient,
     /// The app of the other pod P.
     OtherPod,
-    /// A process on the node.
+    /// A process on the node (kubelet).
     Node,
 }
 
@@ -183,7 +192,10 @@ const TABLE: &[Row] = {
         sk_assign(row(Defaults, OtherPod, SelfIp, 15020, V4)),
         sk_assign(row(Defaults, OtherPod, SelfIp, 15001, V4)),
         sk_assign(row(Defaults, OtherPod, SelfIp, 53, V4)),
-        sk_assign(row(Defaults, Src::Node, SelfIp, 8080, V4)),
+        // The node's nat POSTROUTING SNAT (--socket-exists) and PREROUTING's -s 169.254.7.127
+        // ACCEPT: the node's own connections (kubelet's probes) reach the app.
+        row(Defaults, Src::Node, SelfIp, 8080, ALL3),
+        row(Defaults, Src::Node, SelfIp, 15020, V4),
         // Without DNS capture port 53 is outbound like any other.
         row(NoDns, App, Peer, 53, BOTH),
         row(NoDns, App, SelfIp, 53, V4),
@@ -203,7 +215,15 @@ struct Topology {
     gw4: Ipv4Addr,
     gw6: Ipv6Addr,
     names: Names,
+    /// The oracle's run: the node's sockets take the source istio-cni's node SNAT gives them.
+    node_snat: bool,
 }
+
+/// Where istio-cni's node agent SNATs the node's connections to ambient pods.
+const PROBE_SNAT_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 7, 127);
+const PROBE_SNAT_V6: Ipv6Addr = Ipv6Addr::new(
+    0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
+);
 
 struct Scenario {
     set: Set,
@@ -256,6 +276,12 @@ impl Topology {
             _ => SocketAddr::new(self.p6.into(), 0),
         }
         .to_string();
+        let snat = match sc.fam {
+            Fam::V4 => SocketAddr::new(PROBE_SNAT_V4.into(), 0),
+            Fam::Mapped => SocketAddr::new(PROBE_SNAT_V4.to_ipv6_mapped().into(), 0),
+            Fam::V6 => SocketAddr::new(PROBE_SNAT_V6.into(), 0),
+        }
+        .to_string();
         let mut argv = vec![
             probe(),
             "connect",
@@ -268,6 +294,7 @@ impl Topology {
             Src::ZtunnelFromClient => {
                 argv.extend(["--mark", ZTUNNEL_MARK, "--transparent", "--bind", &spoofed]);
             }
+            Src::Node if self.node_snat => argv.extend(["--bind", &snat]),
             _ => {}
         }
         let spec = Spawn::new(&argv);
@@ -370,6 +397,12 @@ fn acceptable(sc: &Scenario, oracle: &Seen) -> [Seen; 2] {
             };
         }
     }
+    if sc.from == Src::Node {
+        // The intended difference: the app sees the node's address, not the SNAT address.
+        for o in [&mut exact, &mut g] {
+            o.source = o.source.replace("SNAT4", "GW4").replace("SNAT6", "GW6");
+        }
+    }
     [exact, g].map(|outcome| Seen {
         outcome,
         peer: oracle.peer.clone(),
@@ -396,6 +429,7 @@ fn parity_with_istio_ambient() -> Result<()> {
         s: s.clone(),
         p: p.clone(),
         names: Names::default(),
+        node_snat: false,
     };
     for (ip, name) in [
         (IpAddr::from(topo.s.ipv4), "S4"),
@@ -404,6 +438,8 @@ fn parity_with_istio_ambient() -> Result<()> {
         (topo.p6.into(), "P6"),
         (topo.gw4.into(), "GW4"),
         (topo.gw6.into(), "GW6"),
+        (PROBE_SNAT_V4.into(), "SNAT4"),
+        (PROBE_SNAT_V6.into(), "SNAT6"),
     ] {
         topo.names.add(ip, name);
     }
@@ -488,6 +524,11 @@ fn parity_with_istio_ambient() -> Result<()> {
     let sidestep_time = t.elapsed();
 
     let t = Instant::now();
+    // istio-cni's node SNAT, as the packets S sees: the node's sockets take its source, which
+    // lives on the test's bridge (and goes with it).
+    node.add_bridge_address(ipnet::IpNet::from(IpAddr::from(PROBE_SNAT_V4)))?;
+    node.add_bridge_address(ipnet::IpNet::from(IpAddr::from(PROBE_SNAT_V6)))?;
+    topo.node_snat = true;
     let mut rules = Oracle::new(&s);
     let oracle = topo.collect(&env, &mut listeners, &all, |set, _| {
         let cap = set.istio();

@@ -230,6 +230,27 @@ fn load_inner(
     loader.override_global(globals::SK_MSG_REDIR_OFFSET, &msg_sk_redir, true);
     loader.override_global(globals::SK_RMEM_ALLOC_OFFSET, &rmem_alloc, true);
     loader.override_global(globals::SK_RCVBUF_OFFSET, &rcvbuf, true);
+    // The loader runs in the node's netns (the agent is hostNetwork): its sockets are the node's,
+    // whose connections to ambient pods (kubelet's probes) the pods' inbound capture passes.
+    let node_netns_cookie = match crate::netns::node_netns_cookie() {
+        Ok(Some(cookie)) => cookie,
+        Ok(None) => {
+            tracing::warn!(
+                "this process is not in the node's network namespace (init's): ambient pods' \
+                 inbound capture takes the node's own connections too (kubelet's probes go \
+                 through ztunnel); run the agent with hostNetwork"
+            );
+            0
+        }
+        Err(e) => {
+            tracing::warn!(
+                "cannot read this netns's cookie ({e}): ambient pods' inbound capture takes the \
+                 node's own connections too (kubelet's probes go through ztunnel)"
+            );
+            0
+        }
+    };
+    loader.override_global(globals::NODE_NETNS_COOKIE, &node_netns_cookie, true);
     let map_paths: Vec<(&str, PathBuf)> =
         map_names::ALL.iter().map(|n| (*n, layout.map(n))).collect();
     for (name, path) in &map_paths {

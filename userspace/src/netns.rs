@@ -198,6 +198,20 @@ pub fn socket_netns_cookie() -> io::Result<u64> {
     Ok(cookie)
 }
 
+/// The node's netns cookie, as the loader sees it: the calling thread's, unless init (PID 1) is
+/// visibly in another netns, where the caller is not on the node's network (a container without
+/// hostNetwork that shares the host's PIDs) and `None` is the answer. Where init's netns cannot be
+/// read (a PID namespace of its own), the thread's stands for it, as for [`Netns`]'s host check.
+pub fn node_netns_cookie() -> io::Result<Option<u64>> {
+    let ours = std::fs::metadata("/proc/thread-self/ns/net")?;
+    if let Ok(init) = std::fs::metadata("/proc/1/ns/net")
+        && (init.dev(), init.ino()) != (ours.dev(), ours.ino())
+    {
+        return Ok(None);
+    }
+    socket_netns_cookie().map(Some)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -67,6 +67,9 @@ pub mod globals {
     pub const SK_MSG_REDIR_OFFSET: &str = "SK_MSG_REDIR_OFFSET";
     /// Byte offset of `sk_rcvbuf` in `struct sock`; `0` as above.
     pub const SK_RCVBUF_OFFSET: &str = "SK_RCVBUF_OFFSET";
+    /// The netns cookie of the node's own network namespace (the loader's, which runs there);
+    /// `0` (unknown) turns off the recognition of the node's connections to ambient pods.
+    pub const NODE_NETNS_COOKIE: &str = "NODE_NETNS_COOKIE";
 }
 
 pub mod program_names {
@@ -249,6 +252,8 @@ pub mod rule {
     pub const IN_NO_LISTENER: u16 = 203;
     /// Ambient inbound: from the probe SNAT address (kubelet's probes), never captured.
     pub const IN_PROBE_SOURCE: u16 = 204;
+    /// Ambient inbound: from a socket of the node's own netns (kubelet's probes), never captured.
+    pub const IN_NODE_SOCKET: u16 = 205;
 
     /// The rule's name, for logs.
     pub const fn name(rule: u16) -> &'static str {
@@ -282,6 +287,7 @@ pub mod rule {
             IN_EXCLUDED_INTERFACE => "excludeInterfaces (inbound)",
             IN_NO_LISTENER => "inbound port captured, no proxy listener: refused",
             IN_PROBE_SOURCE => "ambient: from the probe SNAT address",
+            IN_NODE_SOCKET => "ambient: from a socket of the node",
             _ => "unknown rule",
         }
     }
@@ -372,6 +378,10 @@ pub mod redirect_kind {
     pub const TPROXY_PASSTHROUGH: u16 = 4;
     /// A connection that arrived on a re-routed virtual interface, DNATed to the outbound port.
     pub const REROUTE: u16 = 5;
+    /// Not redirected: a connection from a socket of the node's own netns (kubelet's probes) to
+    /// an ambient pod, recorded when its SYN is about to leave, so that the pod's inbound
+    /// capture leaves it to the app, as istio-cni's `--socket-exists` SNAT on the node does.
+    pub const NODE_SOCKET: u16 = 6;
 }
 
 /// What the socket's peer really was before sidestep redirected it.

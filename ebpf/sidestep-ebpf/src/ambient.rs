@@ -5,12 +5,28 @@
 //! listeners and connections there, and marks every such socket (`ambient::MARK`). The mark is
 //! what Istio's rules test, and what this module tests.
 
-use sidestep_abi::{PodPolicy, ambient, flags, is_v4_mapped, linux, redirect_kind, rule};
-
-use crate::policy::{
-    Connect, Verdict, is_host_loopback, is_local_destination, is_loopback, is_pod_address,
-    is_unspecified,
+use sidestep_abi::{
+    OrigDst, PodPolicy, TupleKey, ambient, flags, is_v4_mapped, linux, redirect_kind, rule,
 };
+
+use crate::{
+    maps::{SIDESTEP_ADDRS, SIDESTEP_PEND},
+    policy::{
+        Connect, Verdict, is_host_loopback, is_local_destination, is_loopback, is_pod_address,
+        is_unspecified, pod_policy,
+    },
+};
+
+/// The netns cookie of the node's own network namespace, set by the loader (which runs there);
+/// 0 when unknown, which turns the node-socket exception off (its connections are captured).
+#[unsafe(no_mangle)]
+static NODE_NETNS_COOKIE: u64 = 0;
+
+#[inline(always)]
+fn node_netns_cookie() -> u64 {
+    // SAFETY: a read of this object's own frozen read-only data.
+    unsafe { core::ptr::read_volatile(&raw const NODE_NETNS_COOKIE) }
+}
 
 #[inline(always)]
 pub fn is_ambient(pod: &PodPolicy) -> bool {
@@ -36,6 +52,99 @@ pub fn is_probe_source(addr: &[u32; 4]) -> bool {
             && addr[2] == u32::from_ne_bytes([o[8], o[9], o[10], o[11]])
             && addr[3] == u32::from_ne_bytes([o[12], o[13], o[14], o[15]])
     }
+}
+
+/// The record a connection from a socket of the node's own netns to an ambient pod leaves in
+/// `SIDESTEP_PEND` when its SYN is about to leave, keyed as that socket sees it (the node's
+/// cookie, node address and port, pod address and port); `None` for any other connection.
+///
+/// istio-cni SNATs such connections (`-m owner --socket-exists`, to the pods of its ipset) to
+/// 169.254.7.127 in the node's nat POSTROUTING, and the pod's rules pass that source: kubelet's
+/// probes reach the app, not ztunnel, whose policy (STRICT mTLS) would refuse plaintext. The
+/// record is the same fact without the NAT: only a socket in the node's netns can make it, and
+/// only for the exact 4-tuple of its own connection. Forwarded traffic (NodePort, other pods,
+/// other nodes) has no such socket and stays captured.
+///
+/// The caller has checked `is_node_netns` first, before reading the socket's addresses: that
+/// check is all that every other socket of the node pays.
+#[inline(always)]
+pub fn node_socket_record(
+    local: [u32; 4],
+    local_port: u16,
+    remote: [u32; 4],
+    remote_port: u16,
+    family: u16,
+) -> Option<(TupleKey, OrigDst)> {
+    // SAFETY: the value is copied out at once.
+    let pod = unsafe { SIDESTEP_ADDRS.get(remote) }.copied()?;
+    if !pod_policy(pod).is_some_and(|p| is_ambient(&p)) {
+        return None;
+    }
+    let key = TupleKey {
+        netns_cookie: node_netns_cookie(),
+        client_addr: local,
+        server_addr: remote,
+        client_port: local_port,
+        server_port: remote_port,
+        _reserved: 0,
+    };
+    let record = OrigDst {
+        addr: remote,
+        port_be: remote_port.to_be(),
+        kind: redirect_kind::NODE_SOCKET,
+        family,
+        side: sidestep_abi::socket_side::CLIENT,
+    };
+    Some((key, record))
+}
+
+/// Whether a socket of this netns is one of the node's own (never, while the cookie is unknown).
+#[inline(always)]
+pub fn is_node_netns(socket_netns_cookie: u64) -> bool {
+    let node = node_netns_cookie();
+    node != 0 && socket_netns_cookie == node
+}
+
+/// Whether this inbound SYN belongs to a connection a socket of the node opened
+/// (`node_socket_record`): the pod's inbound capture leaves it to the app.
+#[inline(always)]
+pub fn is_from_node_socket(
+    client: [u32; 4],
+    client_port: u16,
+    server: [u32; 4],
+    server_port: u16,
+) -> bool {
+    let node = node_netns_cookie();
+    if node == 0 {
+        return false;
+    }
+    let key = TupleKey {
+        netns_cookie: node,
+        client_addr: client,
+        server_addr: server,
+        client_port,
+        server_port,
+        _reserved: 0,
+    };
+    // SAFETY: the value is read at once.
+    unsafe { SIDESTEP_PEND.get(key) }.is_some_and(|o| o.kind == redirect_kind::NODE_SOCKET)
+}
+
+/// An ambient pod's socket accepted the connection `accepted` (keyed as `SIDESTEP_PEND` keys its
+/// pod's records: the pod's cookie, client, server): if the node opened it, its record goes now.
+/// The handshake is over, so no lookup needs it any more (under SYN cookies the final ACK was
+/// the last one); kept until the node's socket closed, long-lived connections would hold
+/// entries of the LRU that the pods' hand-offs share.
+#[inline(always)]
+pub fn forget_node_socket(accepted: TupleKey) {
+    let node = node_netns_cookie();
+    if node == 0 || !pod_policy(accepted.netns_cookie).is_some_and(|p| is_ambient(&p)) {
+        return;
+    }
+    let _ = SIDESTEP_PEND.remove(TupleKey {
+        netns_cookie: node,
+        ..accepted
+    });
 }
 
 /// ztunnel delivering an inbound connection to its pod's app from the client's own address

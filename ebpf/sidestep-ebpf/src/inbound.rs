@@ -94,8 +94,16 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         return NEXT;
     };
     let dst_port = u16::from_be(seg.dst_port_be);
-    // Ambient: kubelet's probes, SNATed on the node, reach the app directly.
-    let probe = crate::ambient::is_ambient(&pod) && crate::ambient::is_probe_source(&seg.src);
+    // Ambient: kubelet's probes reach the app directly, SNATed on the node (Istio's node rules)
+    // or opened by a socket of the node (sidestep's record of it).
+    let probe = crate::ambient::is_ambient(&pod)
+        && (crate::ambient::is_probe_source(&seg.src)
+            || crate::ambient::is_from_node_socket(
+                seg.src,
+                u16::from_be(seg.src_port_be),
+                seg.dst,
+                dst_port,
+            ));
     if probe || !captures_port(netns_cookie, &pod, dst_port) {
         policy::count(netns_cookie, |c| c.passed_inbound += 1);
         return NEXT;

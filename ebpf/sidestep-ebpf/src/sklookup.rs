@@ -156,12 +156,22 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     {
         return SK_PASS;
     }
-    // Ambient: kubelet's probes, SNATed on the node, reach the app directly.
-    if ambient::is_ambient(&pod) && ambient::is_probe_source(&remote) {
-        if debug {
-            debuglog::inbound(&ctx, netns_cookie, &local, port, 0, rule::IN_PROBE_SOURCE);
+    // Ambient: kubelet's probes reach the app directly, SNATed on the node (Istio's node rules)
+    // or opened by a socket of the node (sidestep's record of it).
+    if ambient::is_ambient(&pod) {
+        let passed = if ambient::is_probe_source(&remote) {
+            rule::IN_PROBE_SOURCE
+        } else if ambient::is_from_node_socket(remote, remote_port, local, port) {
+            rule::IN_NODE_SOCKET
+        } else {
+            0
+        };
+        if passed != 0 {
+            if debug {
+                debuglog::inbound(&ctx, netns_cookie, &local, port, 0, passed);
+            }
+            return SK_PASS;
         }
-        return SK_PASS;
     }
     if port == pod.inbound_port || !captures_port(netns_cookie, &pod, port) {
         // With tc in front, tc counted this SYN already.

@@ -5,6 +5,9 @@
 //!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
 //! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim a pending entry into the socket's storage.
 //! - STATE_CB to TCP_CLOSE on a redirected client: drop an entry nobody claimed.
+//! - TCP_CONNECT_CB on a socket of the node's own netns to an ambient pod: record it, so the
+//!   pod's inbound capture passes it (`ambient::node_socket_record`); the app's accepted socket
+//!   (PASSIVE_ESTABLISHED_CB) drops it, or STATE_CB when the handshake fails.
 
 use aya_ebpf::{
     EbpfContext,
@@ -139,10 +142,13 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     if sk.is_null() {
         return;
     }
-    // Only sockets that connect4/6 redirected carry storage; everything else stops here.
+    // Only sockets that connect4/6 redirected carry storage; of the rest only the node's own
+    // connections to ambient pods are of interest.
     // SAFETY: `sk` is this context's full socket.
     let orig = unsafe { socket_orig_dst(sk, None) };
     if orig.is_null() {
+        // SAFETY: forwarded from our caller.
+        unsafe { on_node_connect(ctx) };
         return;
     }
     // SAFETY: non-null storage of this socket.
@@ -152,8 +158,48 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
         return;
     };
     if SIDESTEP_PEND.insert(key, orig, 0).is_ok() {
-        let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
+        // SAFETY: forwarded from our caller.
+        unsafe { ask_for_state_callbacks(ctx) };
     }
+}
+
+/// A socket of the node connecting to an ambient pod (kubelet's probe): record its 4-tuple so
+/// that the pod's inbound capture leaves the SYN to the app (`ambient::node_socket_record`). The
+/// record goes when the socket closes, as a redirected client's does.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_node_connect(ctx: &SockOpsContext) {
+    // SAFETY: valid sock_ops context.
+    if !crate::ambient::is_node_netns(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }) {
+        return;
+    }
+    // SAFETY: forwarded from our caller.
+    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
+    // SAFETY: 4-byte context field.
+    let family = unsafe { load(&raw const (*ctx.ops).family) } as u16;
+    let Some((key, record)) =
+        crate::ambient::node_socket_record(local, local_port, remote, remote_port, family)
+    else {
+        return;
+    };
+    if SIDESTEP_PEND.insert(key, record, 0).is_ok() {
+        // SAFETY: forwarded from our caller.
+        unsafe { ask_for_state_callbacks(ctx) };
+    }
+}
+
+/// Adds state callbacks to those the socket already asks for: the helper replaces the set, and
+/// another program at the node's cgroup2 root may have asked for others on the same socket.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn ask_for_state_callbacks(ctx: &SockOpsContext) {
+    // SAFETY: 4-byte context field.
+    let current = unsafe { load(&raw const (*ctx.ops).bpf_sock_ops_cb_flags) };
+    let _ = ctx.set_cb_flags((current | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
 }
 
 /// # Safety
@@ -173,6 +219,7 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
     };
     // SAFETY: the value is copied out at once.
     let Some(mut orig) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
+        crate::ambient::forget_node_socket(key);
         return;
     };
     orig.side = socket_side::ACCEPTED;
