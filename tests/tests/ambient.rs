@@ -438,33 +438,17 @@ fn the_nodes_own_connections_reach_an_ambient_app() -> Result<()> {
         return Ok(());
     }
     let env = TestEnv::new("ambient-node")?;
-    // Every part is bound: the API server and the directories must live as long as the test.
-    let AmbientNode {
-        api: _api,
-        agent,
-        node,
-        uds,
-        _dirs,
-        ..
-    } = AmbientNode::start(
+    let n = AmbientNode::start(
         &env,
         vec![
             api_pod(NODE, "mesh", "server", &[], false),
             api_pod(NODE, "plain", "other", &[], false),
         ],
     )?;
-    let pod = |name: &str, ns: &str| {
-        node.add_pod_with(
-            name,
-            PodOptions {
-                namespace: ns.into(),
-                ..Default::default()
-            },
-        )
-    };
-    let server = pod("server", "mesh")?;
-    let other = pod("other", "plain")?;
-    let ztunnel = start_ztunnel(&env, &uds)?;
+    let server = n.pod("server", "mesh")?;
+    let other = n.pod("other", "plain")?;
+    let (agent, node) = (&n.agent, &n.node);
+    let ztunnel = start_ztunnel(&env, &n.uds)?;
     wait_until("ztunnel to get the server", Duration::from_secs(10), || {
         Ok(zds_events(&ztunnel, "add", "uid-mesh-server") >= 1)
     })
@@ -593,6 +577,6 @@ fn the_nodes_own_connections_reach_an_ambient_app() -> Result<()> {
         ztunnel.stdout()
     );
     drop((server, other));
-    drop(node);
+    drop(n);
     Ok(())
 }
