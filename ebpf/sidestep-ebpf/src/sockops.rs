@@ -165,7 +165,8 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
 
 /// A socket of the node connecting to an ambient pod (kubelet's probe): record its 4-tuple so
 /// that the pod's inbound capture leaves the SYN to the app (`ambient::node_socket_record`). The
-/// record goes when the socket closes, as a redirected client's does.
+/// app's accepted socket removes the record (`ambient::forget_node_socket`); a handshake that
+/// fails leaves it to this socket's close, as a redirected client's is.
 ///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
