@@ -248,27 +248,46 @@ fn parity_with_istio_iptables() -> Result<()> {
         .collect();
     let default_rows: Vec<_> = defaults.iter().map(|i| all[*i].clone()).collect();
     let mut nft = NftRules::new(&s);
-    let nft_outcomes = collect(
-        &env,
-        &topo,
-        &mut listeners,
-        &default_rows,
-        |set, _| {
-            if set == Set::Defaults {
-                nft.apply(&sidestep_tests::istio_nftables::default_sidecar(true))
-            } else {
-                Ok(())
-            }
-        },
-        |_| Ok(()),
-    )?;
-    nft.clear()?;
-    let nft_differs: Vec<String> = defaults
+    let mut under_nft = |env: &TestEnv, listeners: &mut Listeners, rows: &[run::Scenario]| {
+        collect(
+            env,
+            &topo,
+            listeners,
+            rows,
+            |set, _| {
+                if set == Set::Defaults {
+                    nft.apply(&sidestep_tests::istio_nftables::default_sidecar(true))
+                } else {
+                    Ok(())
+                }
+            },
+            |_| Ok(()),
+        )
+    };
+    let nft_outcomes = under_nft(&env, &mut listeners, &default_rows)?;
+    // A row that differs is asked again before it counts: under TCG a connect now and then
+    // outlives the probe's 2 s (seen once on 6.1, a link-local call of the pod to itself), which
+    // is the machine's doing, not the ruleset's. A real difference repeats.
+    let differing: Vec<usize> = defaults
         .iter()
         .zip(&nft_outcomes)
         .filter(|(i, o)| oracle[**i] != **o)
+        .map(|(i, _)| *i)
+        .collect();
+    let again_rows: Vec<_> = differing.iter().map(|i| all[*i].clone()).collect();
+    let again = if again_rows.is_empty() {
+        Vec::new()
+    } else {
+        under_nft(&env, &mut listeners, &again_rows)?
+    };
+    nft.clear()?;
+    let nft_differs: Vec<String> = differing
+        .iter()
+        .zip(&again)
+        .filter(|(i, o)| oracle[**i] != **o)
         .map(|(i, o)| format!("#{}: iptables {} / nftables {o}", i + 1, oracle[*i]))
         .collect();
+    let nft_retried = differing.len() - nft_differs.len();
 
     // The table: one sidestep column per inbound hook, each judged against the oracle.
     let mut rows = Vec::new();
@@ -349,12 +368,13 @@ fn parity_with_istio_iptables() -> Result<()> {
          own address (conntrack, no NAT) or EOPNOTSUPP (SOL_IPV6 on an AF_INET socket)\n\
          time: setup {:.1?}, sidestep (both hooks) {:.1?}, oracle {:.1?}\n\
          Istio's native nftables ruleset, default annotations: {} of {} scenarios as its iptables \
-         ruleset\n",
+         ruleset ({} of them only when asked a second time)\n",
         setup,
         sidestep_time,
         oracle_time,
         defaults.len() - nft_differs.len(),
-        defaults.len()
+        defaults.len(),
+        nft_retried
     ));
     print_uncaptured(&text);
 
