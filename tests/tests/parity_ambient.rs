@@ -27,7 +27,7 @@ use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 use sidestep_tests::{
     Node, NodeOptions, Pod, Spawn, TestEnv,
-    istio_ambient::AmbientCapture,
+    istio_ambient::{self, AmbientCapture},
     parity::{Listeners, Names, Oracle, Outcome, outcome, print_uncaptured, render_table},
     sidestep::Loaded,
     skip_unless_root,
@@ -217,13 +217,10 @@ struct Topology {
     names: Names,
     /// The oracle's run: the node's sockets take the source istio-cni's node SNAT gives them.
     node_snat: bool,
+    /// That source (`istio_ambient::PROBE_SNAT_V4/V6`).
+    snat4: Ipv4Addr,
+    snat6: Ipv6Addr,
 }
-
-/// Where istio-cni's node agent SNATs the node's connections to ambient pods.
-const PROBE_SNAT_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 7, 127);
-const PROBE_SNAT_V6: Ipv6Addr = Ipv6Addr::new(
-    0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
-);
 
 struct Scenario {
     set: Set,
@@ -277,9 +274,9 @@ impl Topology {
         }
         .to_string();
         let snat = match sc.fam {
-            Fam::V4 => SocketAddr::new(PROBE_SNAT_V4.into(), 0),
-            Fam::Mapped => SocketAddr::new(PROBE_SNAT_V4.to_ipv6_mapped().into(), 0),
-            Fam::V6 => SocketAddr::new(PROBE_SNAT_V6.into(), 0),
+            Fam::V4 => SocketAddr::new(self.snat4.into(), 0),
+            Fam::Mapped => SocketAddr::new(self.snat4.to_ipv6_mapped().into(), 0),
+            Fam::V6 => SocketAddr::new(self.snat6.into(), 0),
         }
         .to_string();
         let mut argv = vec![
@@ -430,6 +427,8 @@ fn parity_with_istio_ambient() -> Result<()> {
         p: p.clone(),
         names: Names::default(),
         node_snat: false,
+        snat4: istio_ambient::PROBE_SNAT_V4.parse()?,
+        snat6: istio_ambient::PROBE_SNAT_V6.parse()?,
     };
     for (ip, name) in [
         (IpAddr::from(topo.s.ipv4), "S4"),
@@ -438,8 +437,8 @@ fn parity_with_istio_ambient() -> Result<()> {
         (topo.p6.into(), "P6"),
         (topo.gw4.into(), "GW4"),
         (topo.gw6.into(), "GW6"),
-        (PROBE_SNAT_V4.into(), "SNAT4"),
-        (PROBE_SNAT_V6.into(), "SNAT6"),
+        (topo.snat4.into(), "SNAT4"),
+        (topo.snat6.into(), "SNAT6"),
     ] {
         topo.names.add(ip, name);
     }
@@ -526,8 +525,8 @@ fn parity_with_istio_ambient() -> Result<()> {
     let t = Instant::now();
     // istio-cni's node SNAT, as the packets S sees: the node's sockets take its source, which
     // lives on the test's bridge (and goes with it).
-    node.add_bridge_address(ipnet::IpNet::from(IpAddr::from(PROBE_SNAT_V4)))?;
-    node.add_bridge_address(ipnet::IpNet::from(IpAddr::from(PROBE_SNAT_V6)))?;
+    node.add_bridge_address(ipnet::IpNet::from(IpAddr::from(topo.snat4)))?;
+    node.add_bridge_address(ipnet::IpNet::from(IpAddr::from(topo.snat6)))?;
     topo.node_snat = true;
     let mut rules = Oracle::new(&s);
     let oracle = topo.collect(&env, &mut listeners, &all, |set, _| {
