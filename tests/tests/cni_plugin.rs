@@ -12,11 +12,11 @@ mod sandbox;
 
 use std::{fs, os::unix::fs::PermissionsExt, process::Command};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context as _, Result, ensure};
 use serde_json::{Value, json};
 use sidestep_tests::{netns, skip_unless_root};
 
-use sandbox::{Sandbox, bin_dir, call, cni, expect_err, expect_ok, run};
+use sandbox::{Sandbox, bin_dir, call, cmd_env, cni, expect_err, expect_ok, run};
 
 #[test]
 fn lifecycle_add_check_del_gc_status_version() {
@@ -412,6 +412,91 @@ fn flooded_attachment() -> Result<()> {
     expect_ok(&call(&sb, "CHECK", "c1", &a, &conf)?, "CHECK")?;
     expect_ok(&call(&sb, "DEL", "c1", &a, &conf)?, "DEL")?;
     ensure!(sb.pods()?.is_empty(), "after DEL: {:?}", sb.pods()?);
+    Ok(())
+}
+
+/// Root in a pod floods a second attachment's interface (`net1`) between the attachment's
+/// primary plugin and sidestep-cni: more addresses than one pod registers. The second ADD must
+/// keep the first attachment's pod IP registered (it names the pod for tc ingress and for the
+/// hairpin decision) rather than fill the pod's share with the flood.
+#[test]
+fn a_flooded_second_attachment_keeps_the_first_ones_pod_ip() {
+    if skip_unless_root("a_flooded_second_attachment_keeps_the_first_ones_pod_ip") {
+        return;
+    }
+    flooded_second_attachment().unwrap();
+}
+
+fn flooded_second_attachment() -> Result<()> {
+    let mut sb = Sandbox::new("flood2")?;
+    // Not "a": the host end of the veth is named after it, and tests run at once.
+    let a = sb.add_netns("f2")?;
+    sb.load()?;
+    let name = a.file_name().unwrap().to_string_lossy().into_owned();
+    let eth0_ip: std::net::Ipv4Addr = "10.254.0.9".parse()?;
+    run(Command::new("ip").args(["-n", &name, "addr", "add", "10.254.0.9/24", "dev", "eth0"]))?;
+    let eth0_conf = sb.conf("1.1.0");
+    expect_ok(&call(&sb, "ADD", "c1", &a, &eth0_conf)?, "ADD eth0")?;
+
+    // A veth pair inside the netns: this kernel has no dummy links.
+    run(Command::new("ip").args([
+        "-n", &name, "link", "add", "net1", "type", "veth", "peer", "name", "net1p",
+    ]))?;
+    run(Command::new("ip").args(["-n", &name, "link", "set", "net1", "up"]))?;
+    let batch = sb.state_dir().with_file_name("flood2.batch");
+    let mut lines = String::from("addr add 10.253.0.9/24 dev net1\n");
+    for i in 0..100 {
+        lines += &format!("addr add 10.251.0.{i}/32 dev net1\n");
+    }
+    fs::write(&batch, lines)?;
+    run(Command::new("ip").args(["-n", &name, "-batch"]).arg(&batch))?;
+    let mut net1_conf = eth0_conf.clone();
+    net1_conf["prevResult"]["interfaces"] = json!([{"name": "net1", "sandbox": "/run/netns/x"}]);
+    net1_conf["prevResult"]["ips"] = json!([{"address": "10.253.0.9/24", "interface": 0}]);
+    let ns = a.to_string_lossy();
+    let mut env = cmd_env("ADD", "c1", &ns);
+    for (k, v) in &mut env {
+        if *k == "CNI_IFNAME" {
+            *v = "net1";
+        }
+    }
+    let added = cni(&sb, &env, &serde_json::to_vec(&net1_conf)?)?;
+    expect_ok(&added, "ADD net1")?;
+
+    let cookie = *sb.pods()?.first().context("the pod is not enrolled")?;
+    let held: Vec<Value> = sidestep_tests::faults::bpftool(&[
+        "map",
+        "dump",
+        "pinned",
+        &sb.pin_root
+            .join("maps/SIDESTEP_ADDRS")
+            .display()
+            .to_string(),
+    ])?
+    .as_array()
+    .cloned()
+    .unwrap_or_default()
+    .into_iter()
+    .filter(|e| e["formatted"]["value"] == cookie)
+    .collect();
+    // The key is the address's four words as the programs read them: v4-mapped, network order.
+    let word = u64::from(u32::from_ne_bytes(eth0_ip.octets()));
+    ensure!(
+        held.iter().any(|e| e["formatted"]["key"][3] == word),
+        "eth0's pod IP {eth0_ip} is no longer registered after net1's ADD ({} addresses held)",
+        held.len()
+    );
+    // userspace/src/enroll/limits.rs, MAX_POD_ADDRESSES (plus net1's own pod IP).
+    ensure!(held.len() <= 65, "{} addresses held", held.len());
+
+    let mut del = env.clone();
+    del[0].1 = "DEL";
+    expect_ok(
+        &cni(&sb, &del, &serde_json::to_vec(&net1_conf)?)?,
+        "DEL net1",
+    )?;
+    expect_ok(&call(&sb, "DEL", "c1", &a, &eth0_conf)?, "DEL eth0")?;
+    ensure!(sb.pods()?.is_empty(), "after both DELs: {:?}", sb.pods()?);
     Ok(())
 }
 

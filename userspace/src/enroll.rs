@@ -112,7 +112,15 @@ pub fn enroll_netns(
         .ok()
         .filter(|_| was_enrolled);
     let primary_source = source::primary(entries.source, &facts, earlier_source);
-    let mut netns_keys = netns_keys(&maps, netns_cookie, policy, &facts, &entries, interfaces);
+    let mut netns_keys = netns_keys(
+        &maps,
+        netns_cookie,
+        policy,
+        &facts,
+        &entries,
+        interfaces,
+        earlier_source,
+    );
     netns_keys.source_routes = source::enrolment_routes(&facts, &primary_source, netns_cookie);
     entries.source = source::entry(primary_source, &netns_keys.source_routes);
     netns_keys.proxy_host_ids = host_ids;
@@ -238,6 +246,11 @@ fn address_words(ip: &IpAddr) -> [u32; 4] {
 /// Whether `addr` belongs to an enrolled pod other than `netns_cookie`.
 fn owned_by_other_pod(maps: &PolicyMaps, addr: &[u32; 4], netns_cookie: u64) -> Option<u64> {
     let owner = maps.addresses.get(addr, 0).ok()?;
+    other_live_pod(maps, owner, netns_cookie)
+}
+
+/// `owner`, when it is an enrolled pod other than `netns_cookie`.
+fn other_live_pod(maps: &PolicyMaps, owner: u64, netns_cookie: u64) -> Option<u64> {
     (owner != netns_cookie && maps.pods.get(&owner, 0).is_ok()).then_some(owner)
 }
 
@@ -245,6 +258,13 @@ fn owned_by_other_pod(maps: &PolicyMaps, addr: &[u32; 4], netns_cookie: u64) -> 
 /// address another live pod owns is left to it: the identity program still names this pod for
 /// its connections), the excluded and re-routed interfaces present, and the routes of a pod with
 /// excluded interfaces.
+///
+/// Past [`MAX_POD_ADDRESSES`], the addresses kept are, in order: the pod's primary addresses
+/// (`earlier_source`, which a re-enrolment keeps), the addresses the pod holds already (what
+/// earlier attachments registered: their pod IPs were theirs to keep first), this attachment's
+/// interface addresses, then the rest. Root in the pod can flood a second attachment's
+/// interface before its ADD runs; that must not push the first attachment's pod IP out of the
+/// map.
 fn netns_keys(
     maps: &PolicyMaps,
     netns_cookie: u64,
@@ -252,25 +272,37 @@ fn netns_keys(
     facts: &NetnsFacts,
     entries: &MapEntries,
     interfaces: Option<&[String]>,
+    earlier_source: Option<PodSource>,
 ) -> NetnsKeys {
     // Sets: root in the pod can put thousands of addresses on one interface.
     let mut seen: HashSet<IpAddr> = HashSet::new();
     let mut addresses: Vec<IpAddr> = Vec::new();
+    let mut held: Vec<IpAddr> = Vec::new();
     for (_, ip) in &facts.addresses {
         let words = address_words(ip);
         if !seen.insert(*ip) || entries.addresses.contains(&words) {
             continue;
         }
-        if let Some(owner) = owned_by_other_pod(maps, &words, netns_cookie) {
+        let owner = maps.addresses.get(&words, 0).ok();
+        if let Some(other) = owner.and_then(|o| other_live_pod(maps, o, netns_cookie)) {
             tracing::warn!(
                 netns_cookie,
-                "address {ip} of the netns is already registered to netns cookie {owner}; it \
+                "address {ip} of the netns is already registered to netns cookie {other}; it \
                  stays with that pod"
             );
             continue;
         }
+        if owner == Some(netns_cookie) {
+            held.push(*ip);
+        }
         addresses.push(*ip);
     }
+    let primary: Vec<IpAddr> = earlier_source
+        .into_iter()
+        .flat_map(|s| [s.addr4, s.addr6])
+        .filter(|w| *w != [0; 4])
+        .map(|w| crate::policy::words_address(&w))
+        .collect();
     let mut interface_addresses: Vec<IpAddr> = policy.pod_ips.clone();
     let mut listed: HashSet<IpAddr> = interface_addresses.iter().copied().collect();
     for name in interfaces.unwrap_or_default() {
@@ -281,7 +313,11 @@ fn netns_keys(
         }
     }
     let room = MAX_POD_ADDRESSES.saturating_sub(entries.addresses.len());
-    let left_out = keep_within(&mut addresses, &interface_addresses, room);
+    let left_out = keep_within(
+        &mut addresses,
+        &[&primary, &held, &interface_addresses],
+        room,
+    );
     if !left_out.is_empty() {
         // The record names what this attachment registered: CHECK verifies each, and a flooded
         // interface would otherwise put thousands into it.

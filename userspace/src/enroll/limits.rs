@@ -13,21 +13,25 @@ use super::Route;
 /// sk_lookup program, which names its pod without the map.
 pub const MAX_POD_ADDRESSES: usize = 64;
 
-/// Keeps at most `room` of `addresses`, the attachment's own (`first`) before the rest, in their
-/// order otherwise; returns the ones it left out.
+/// Keeps at most `room` of `addresses`: those in `tiers[0]` first, then those in `tiers[1]`,
+/// and so on, then the rest, each group in the order of `addresses`; returns the ones it left
+/// out.
 pub(crate) fn keep_within(
     addresses: &mut Vec<IpAddr>,
-    first: &[IpAddr],
+    tiers: &[&[IpAddr]],
     room: usize,
 ) -> Vec<IpAddr> {
-    // A set: a flooded interface lists thousands of addresses.
-    let first: HashSet<&IpAddr> = first.iter().collect();
-    let (mut kept, rest): (Vec<IpAddr>, Vec<IpAddr>) =
-        addresses.iter().partition(|ip| first.contains(ip));
-    kept.extend(rest);
-    let left_out = kept.split_off(room.min(kept.len()));
-    *addresses = kept;
-    left_out
+    // Sets: a flooded interface lists thousands of addresses.
+    let tiers: Vec<HashSet<&IpAddr>> = tiers.iter().map(|t| t.iter().collect()).collect();
+    let rank = |ip: &IpAddr| {
+        tiers
+            .iter()
+            .position(|t| t.contains(ip))
+            .unwrap_or(tiers.len())
+    };
+    // Stable: each group keeps its order.
+    addresses.sort_by_cached_key(rank);
+    addresses.split_off(room.min(addresses.len()))
 }
 
 /// The most interfaces an enrolment captures when not told which (`sidestep enroll` without
@@ -81,9 +85,31 @@ mod tests {
             ip("fd00::5"),
         ];
         let own = [ip("fd00::5"), ip("10.0.0.5")];
-        assert_eq!(keep_within(&mut addresses, &own, 3).len(), 1);
+        assert_eq!(keep_within(&mut addresses, &[&own], 3).len(), 1);
         assert_eq!(addresses, [ip("10.0.0.5"), ip("fd00::5"), ip("10.9.0.1")]);
-        assert_eq!(keep_within(&mut addresses, &own, 0).len(), 3);
+        assert_eq!(keep_within(&mut addresses, &[&own], 0).len(), 3);
         assert!(addresses.is_empty());
+    }
+
+    /// A second attachment's interface flooded before its ADD: the pod's primary address and
+    /// what earlier enrolments registered come before the new interface's flood.
+    #[test]
+    fn earlier_tiers_outrank_a_flooded_interface() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let primary = ip("10.0.0.5");
+        let registered = [ip("10.0.0.6"), primary];
+        let flood: Vec<IpAddr> = (0..10).map(|i| ip(&format!("10.8.0.{i}"))).collect();
+        let mut addresses: Vec<IpAddr> = flood.clone();
+        addresses.extend([ip("10.0.0.6"), ip("10.7.0.1"), primary]);
+        let left_out = keep_within(&mut addresses, &[&[primary], &registered, &flood], 4);
+        assert_eq!(
+            addresses,
+            [primary, ip("10.0.0.6"), ip("10.8.0.0"), ip("10.8.0.1")]
+        );
+        assert_eq!(left_out.len(), 9);
+        assert!(
+            left_out.contains(&ip("10.7.0.1")),
+            "the untiered rest is left out before any tier"
+        );
     }
 }
