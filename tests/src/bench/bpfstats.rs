@@ -99,6 +99,67 @@ pub struct BpfCost {
     pub windows: Vec<Window>,
     /// Over all windows.
     pub combined: Vec<ProgCost>,
+    /// The new-connection workload once more, with a no-op beside each program (`floor.rs`);
+    /// None when the window failed; `floor_error` says why, and the page's notes repeat it.
+    pub floor: Option<Floor>,
+    pub floor_error: Option<String>,
+}
+
+/// A window with a no-op program at every hook, beside sidestep's.
+#[derive(Clone, Debug)]
+pub struct Floor {
+    pub requests: u64,
+    /// sidestep's programs in this window.
+    pub sidestep: Vec<ProgCost>,
+    /// The no-ops, named by hook (`floor::HOOKS`).
+    pub noop: Vec<ProgCost>,
+}
+
+/// One sidestep program's cost per connection against its no-op's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FloorRow {
+    pub program: String,
+    pub hook: &'static str,
+    pub calls_per_request: f64,
+    pub ns_per_call: f64,
+    pub noop_ns_per_call: f64,
+}
+
+impl Floor {
+    /// Every sidestep program that ran and has a no-op at its hook, with both costs per call.
+    pub fn rows(&self) -> Vec<FloorRow> {
+        if self.requests == 0 {
+            return Vec::new();
+        }
+        self.sidestep
+            .iter()
+            .filter_map(|p| {
+                let hook = super::floor::hook_of(&p.name)?;
+                let noop = self.noop.iter().find(|n| n.name == hook.name)?;
+                Some(FloorRow {
+                    program: p.name.clone(),
+                    hook: hook.name,
+                    calls_per_request: p.calls as f64 / self.requests as f64,
+                    ns_per_call: p.ns_per_call()?,
+                    noop_ns_per_call: noop.ns_per_call()?,
+                })
+            })
+            .collect()
+    }
+
+    /// (sidestep's programs, the same calls made to no-ops) in ns per connection, over the
+    /// programs of `rows`.
+    pub fn per_request(&self) -> Option<(f64, f64)> {
+        let rows = self.rows();
+        (!rows.is_empty()).then(|| {
+            rows.iter().fold((0.0, 0.0), |(s, f), r| {
+                (
+                    s + r.calls_per_request * r.ns_per_call,
+                    f + r.calls_per_request * r.noop_ns_per_call,
+                )
+            })
+        })
+    }
 }
 
 /// The programs `sidestep status --json` lists, plus the tc program from bpftool through its
@@ -201,6 +262,13 @@ pub fn measure(topo: &Topology<'_>, cfg: &Config) -> Result<BpfCost> {
         prev = now;
     }
     let combined = delta(&first, &prev);
+    let (floor, floor_error) = match measure_floor(topo, cfg) {
+        Ok(f) => (Some(f), None),
+        Err(e) => {
+            eprintln!("bench: bpf_stats: the no-op floor: {e:#}");
+            (None, Some(format!("{e:#}")))
+        }
+    };
     let sysctl_before = guard.previous().to_owned();
     drop(guard);
     let now = fs::read_to_string(SYSCTL).unwrap_or_default();
@@ -219,6 +287,36 @@ pub fn measure(topo: &Topology<'_>, cfg: &Config) -> Result<BpfCost> {
         },
         windows,
         combined,
+        floor,
+        floor_error,
+    })
+}
+
+/// A new-connection window with a no-op at every hook of the sidestep lane (its cgroup, and
+/// sk_lookup in both pods' netns), detached when it ends.
+fn measure_floor(topo: &Topology<'_>, cfg: &Config) -> Result<Floor> {
+    let lane = topo.lane(Mode::Sidestep);
+    let noops = super::floor::NoopSet::attach(
+        lane.env.cgroup_path(),
+        &[&lane.client.netns_path, &lane.server.netns_path],
+    )?;
+    let (before, _) = sample(topo)?;
+    let noop_before = noops.sample()?;
+    let outcome = measure::run(lane, Workload::NewConn, cfg, cfg.bpf_stats_secs)?;
+    let (after, _) = sample(topo)?;
+    let noop_after = noops.sample()?;
+    drop(noops);
+    let requests = match outcome {
+        Outcome::Wrk(r) => r.requests,
+        _ => 0,
+    };
+    if requests == 0 {
+        bail!("no connection completed in the window");
+    }
+    Ok(Floor {
+        requests,
+        sidestep: delta(&before, &after),
+        noop: delta(&noop_before, &noop_after),
     })
 }
 
@@ -239,5 +337,45 @@ mod tests {
         assert!(parse_bpftool("[]", TC_PROGRAM).is_err());
         let d = delta(&[z], &[s]);
         assert_eq!(d[0].ns_per_call(), Some(100.0));
+    }
+
+    #[test]
+    fn the_floor_charges_each_call_at_its_hooks_no_op_price() {
+        let cost = |name: &str, calls, total_ns| ProgCost {
+            name: name.into(),
+            calls,
+            total_ns,
+        };
+        let floor = Floor {
+            requests: 10,
+            sidestep: vec![
+                cost("sidestep_sockops", 300, 60_000),
+                cost("sidestep_pod_id", 30, 3_000),
+                cost("sidestep_sk_lookup", 30, 12_000),
+                // No no-op stands in for tc; it is left out of both sums.
+                cost(TC_PROGRAM, 50, 5_000),
+            ],
+            noop: vec![
+                cost("floor_sockops", 300, 15_000),
+                cost("floor_sk_lookup", 60, 2_400),
+            ],
+        };
+        let rows = floor.rows();
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[0].calls_per_request, 30.0);
+        assert_eq!(
+            (rows[0].ns_per_call, rows[0].noop_ns_per_call),
+            (200.0, 50.0)
+        );
+        // Both sk_lookup programs are charged the one sk_lookup no-op's 40 ns per call.
+        assert_eq!(rows[1].noop_ns_per_call, 40.0);
+        let (ours, noop) = floor.per_request().unwrap();
+        assert_eq!(ours, 6000.0 + 300.0 + 1200.0);
+        assert_eq!(noop, 1500.0 + 120.0 + 120.0);
+        let idle = Floor {
+            requests: 0,
+            ..floor
+        };
+        assert!(idle.rows().is_empty() && idle.per_request().is_none());
     }
 }

@@ -19,6 +19,7 @@ pub mod bpfstats;
 pub mod cni;
 pub mod cpus;
 pub mod enrol;
+pub mod floor;
 pub mod haproxy_cfg;
 pub mod machine;
 pub mod measure;
@@ -527,7 +528,14 @@ pub fn run(cfg: &Config) -> Result<Report> {
 
     let t_stats = Instant::now();
     let bpf = match bpfstats::measure(&topo, cfg) {
-        Ok(b) => Some(b),
+        Ok(b) => {
+            if let Some(e) = &b.floor_error {
+                notes.push(format!(
+                    "The no-op floor of the BPF costs not measured: {e}"
+                ));
+            }
+            Some(b)
+        }
         Err(e) => {
             eprintln!("bench: bpf_stats: {e:#}");
             notes.push(format!("BPF per-call cost not measured: {e:#}"));

@@ -215,3 +215,30 @@ fn bpf_cost_beside_the_overhead_never_as_a_share_of_it() {
     let above = super::costs::bpf_against_overhead(7.79, 3.81);
     assert!(above.contains("The timed cost is the larger"), "{above}");
 }
+
+#[test]
+fn the_floor_section_states_whether_the_target_is_above_the_no_ops() {
+    use crate::bench::bpfstats::{Floor, ProgCost};
+    let cost = |name: &str, calls, total_ns| ProgCost {
+        name: name.into(),
+        calls,
+        total_ns,
+    };
+    let floor = |noop_ns| Floor {
+        requests: 100,
+        sidestep: vec![cost("sidestep_sockops", 3000, 600_000)],
+        noop: vec![cost("floor_sockops", 3000, noop_ns)],
+    };
+    let high = super::costs::floor_section(Some(&floor(180_000)), 5);
+    assert!(
+        high.contains("| `sidestep_sockops` | `floor_sockops` | 30.0 | 200 | 60.0 | 4200 |"),
+        "{high}"
+    );
+    assert!(high.contains("not reachable with these calls"), "{high}");
+    let low = super::costs::floor_section(Some(&floor(30_000)), 5);
+    assert!(
+        low.contains("0.30 µs of it is the price of the calls"),
+        "{low}"
+    );
+    assert!(super::costs::floor_section(None, 5).contains("Not measured"));
+}
