@@ -7,6 +7,7 @@
 
 use std::fs;
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use sidestep_tests::bench::{self, Config, repeats, report::SVG_NAME, sections};
@@ -149,6 +150,76 @@ fn only_section(cfg: &Config, md: &Path, id: &str) -> Result<()> {
         "bench: {id}: wrote its section of {} ({:.0} s)",
         md.display(),
         t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The benchmark's floor window (tests/src/bench/floor.rs): its no-op programs attach beside
+/// whatever the cgroup and the netns run, at every hook it names, and nothing of them stays
+/// once the set drops. A benchmark that left them behind would slow every later run's lanes.
+/// Runs in the host suite, unlike the benchmark itself.
+#[test]
+fn the_floors_no_ops_attach_at_every_hook_and_leave_nothing_behind() -> Result<()> {
+    if skip_unless_root("the_floors_no_ops_attach_at_every_hook_and_leave_nothing_behind") {
+        return Ok(());
+    }
+    use sidestep_tests::bench::floor::{HOOKS, NoopSet};
+    use sidestep_tests::{Node, NodeOptions, faults::bpftool};
+    let env = TestEnv::new("floor")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let pod = node.add_pod("p")?;
+    let cgroup = env.cgroup_path().display().to_string();
+    let attached = |json: &serde_json::Value| -> Vec<String> {
+        json.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let floor_programs = || -> Result<Vec<String>> {
+        Ok(attached(&bpftool(&["prog", "show"])?)
+            .into_iter()
+            .filter(|n| n.starts_with("floor_"))
+            .collect())
+    };
+    anyhow::ensure!(
+        floor_programs()?.is_empty(),
+        "floor programs loaded before the test: {:?}",
+        floor_programs()?
+    );
+    {
+        let set = NoopSet::attach(env.cgroup_path(), &[pod.netns_path()])?;
+        let on_cgroup = attached(&bpftool(&["cgroup", "show", &cgroup])?);
+        for hook in HOOKS.iter().filter(|h| h.name != "floor_sk_lookup") {
+            anyhow::ensure!(
+                on_cgroup.iter().any(|n| n == hook.name),
+                "{} is not attached to the cgroup: {on_cgroup:?}",
+                hook.name
+            );
+        }
+        anyhow::ensure!(
+            floor_programs()?.len() == HOOKS.len(),
+            "loaded: {:?}",
+            floor_programs()?
+        );
+        let samples = set.sample()?;
+        anyhow::ensure!(samples.len() == HOOKS.len(), "{samples:?}");
+    }
+    // The kernel frees a program after an RCU grace period once its last reference goes.
+    let deadline = std::time::Instant::now() + sidestep_tests::scaled(Duration::from_secs(3));
+    while !floor_programs()?.is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    anyhow::ensure!(
+        floor_programs()?.is_empty(),
+        "left behind: {:?}",
+        floor_programs()?
+    );
+    anyhow::ensure!(
+        attached(&bpftool(&["cgroup", "show", &cgroup])?)
+            .iter()
+            .all(|n| !n.starts_with("floor_")),
+        "still attached to the cgroup"
     );
     Ok(())
 }
