@@ -100,9 +100,8 @@ pub struct BpfCost {
     /// Over all windows.
     pub combined: Vec<ProgCost>,
     /// The new-connection workload once more, with a no-op beside each program (`floor.rs`);
-    /// None when the window failed; `floor_error` says why, and the page's notes repeat it.
-    pub floor: Option<Floor>,
-    pub floor_error: Option<String>,
+    /// Why the window failed, when it did; the page's notes repeat it.
+    pub floor: Result<Floor, String>,
 }
 
 /// A window with a no-op program at every hook, beside sidestep's.
@@ -262,13 +261,10 @@ pub fn measure(topo: &Topology<'_>, cfg: &Config) -> Result<BpfCost> {
         prev = now;
     }
     let combined = delta(&first, &prev);
-    let (floor, floor_error) = match measure_floor(topo, cfg) {
-        Ok(f) => (Some(f), None),
-        Err(e) => {
-            eprintln!("bench: bpf_stats: the no-op floor: {e:#}");
-            (None, Some(format!("{e:#}")))
-        }
-    };
+    let floor = measure_floor(topo, cfg).map_err(|e| {
+        eprintln!("bench: bpf_stats: the no-op floor: {e:#}");
+        format!("{e:#}")
+    });
     let sysctl_before = guard.previous().to_owned();
     drop(guard);
     let now = fs::read_to_string(SYSCTL).unwrap_or_default();
@@ -288,7 +284,6 @@ pub fn measure(topo: &Topology<'_>, cfg: &Config) -> Result<BpfCost> {
         windows,
         combined,
         floor,
-        floor_error,
     })
 }
 

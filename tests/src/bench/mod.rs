@@ -529,7 +529,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
     let t_stats = Instant::now();
     let bpf = match bpfstats::measure(&topo, cfg) {
         Ok(b) => {
-            if let Some(e) = &b.floor_error {
+            if let Err(e) = &b.floor {
                 notes.push(format!(
                     "The no-op floor of the BPF costs not measured: {e}"
                 ));

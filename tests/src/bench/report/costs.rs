@@ -158,7 +158,10 @@ impl Report {
             let _ = writeln!(o, "{}", bpf_against_overhead(ns / 1000.0, ov));
         }
         let _ = writeln!(o);
-        o.push_str(&floor_section(b.floor.as_ref(), self.config.bpf_stats_secs));
+        o.push_str(&floor_section(
+            b.floor.as_ref().ok(),
+            self.config.bpf_stats_secs,
+        ));
     }
 
     pub(super) fn enrol_section(&self, o: &mut String) {
