@@ -42,6 +42,7 @@ pub mod sidestep;
 mod subnet;
 pub mod sweep;
 mod util;
+pub mod wire;
 pub mod zds;
 
 pub use cgroup::{Cgroup, cgroup2_mount};

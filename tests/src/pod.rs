@@ -191,6 +191,21 @@ impl Pod {
             .with_context(|| format!("no ifindex for {dev} in pod {}: {link}", self.name))
     }
 
+    /// The index, in the node's netns, of the other end of the pod's veth `dev`: where a frame
+    /// the pod sends on `dev` arrives on the node.
+    pub fn node_side_ifindex(&self, dev: &str) -> Result<u32> {
+        let link = self.link(dev)?;
+        link["link_index"]
+            .as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .with_context(|| {
+                format!(
+                    "{dev} in pod {} is not one end of a veth: {link}",
+                    self.name
+                )
+            })
+    }
+
     /// The MAC address of `dev` in the pod's netns, as `ip` prints it.
     pub fn mac(&self, dev: &str) -> Result<String> {
         let link = self.link(dev)?;

@@ -16,7 +16,12 @@ use std::{net::IpAddr, time::Duration};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
-use sidestep_tests::{Spawn, net::spawn_dns_listener, netns, skip_unless_root};
+use sidestep_tests::{
+    Spawn,
+    net::spawn_dns_listener,
+    netns, skip_unless_root,
+    wire::{WireWatch, is_tcp_syn_to},
+};
 
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
@@ -27,7 +32,6 @@ const UDP_PORT: u16 = 5300;
 const UDP6_PORT: u16 = 5301;
 const ENOENT: i64 = 2;
 const EPERM: i64 = 1;
-const EINVAL: i64 = 22;
 const ENETUNREACH: i64 = 101;
 const ECONNREFUSED: i64 = 111;
 
@@ -339,13 +343,46 @@ fn socket_options_and_addresses() -> Result<()> {
         f.captured("MPTCP", m, target)?;
     }
 
-    // Bound to 127.0.0.6 (the proxy's inbound passthrough source), to a remote address: the
-    // kernel refuses a loopback source off the host (EINVAL) before any rule sees a packet, with
-    // iptables as with sidestep.
-    let m = f.mark();
-    let v = f.app(&["connect-sock", &v4, "--bind", "127.0.0.6:0"])?;
-    failed_with("remote connect bound to 127.0.0.6", &v, EINVAL)?;
-    f.nowhere("remote connect bound to 127.0.0.6", m)?;
+    // Bound to 127.0.0.6 (the proxy's inbound passthrough source), to a remote address. The
+    // kernel refuses a loopback source off the host (EINVAL) unless `route_localnet` is on:
+    // kube-proxy turns it on for the node, a new netns copies the node's IPv4 settings, and the
+    // node answers ARP from a loopback source only with it on the veth too. Istio's `-o lo -s
+    // 127.0.0.6` RETURN does not match such a SYN, so its capture takes it; sidestep refuses the
+    // connect under both settings, and nothing reaches the wire.
+    let watch = WireWatch::start(f.client.node_side_ifindex("eth0")?)?;
+    // A warm neighbour entry for the server, as a pod that talks to it has: otherwise the ARP
+    // request from a loopback source is what the server drops, and the SYN never gets its turn.
+    let server_mac = f.server.mac("eth0")?;
+    let server_v4 = f.server.ipv4.to_string();
+    f.client.ip(&[
+        "neigh",
+        "replace",
+        &server_v4,
+        "lladdr",
+        &server_mac,
+        "dev",
+        "eth0",
+        "nud",
+        "permanent",
+    ])?;
+    for route_localnet in ["0", "1"] {
+        set_route_localnet(&f, route_localnet)?;
+        let what = format!("remote connect bound to 127.0.0.6, route_localnet={route_localnet}");
+        let m = f.mark();
+        let v = f.app(&["connect-sock", &v4, "--bind", "127.0.0.6:0"])?;
+        let syns = watch
+            .frames()
+            .iter()
+            .filter(|fr| is_tcp_syn_to(fr, PORT))
+            .count();
+        ensure!(
+            syns == 0,
+            "{what}: {syns} SYNs to port {PORT} left the pod ({v})"
+        );
+        failed_with(&what, &v, EPERM)?;
+        f.nowhere(&what, m)?;
+    }
+    set_route_localnet(&f, "0")?;
 
     // The proxy's own ports, directly: they reach the proxy, which gets ENOENT for the original
     // destination, as under iptables (the app talks to its sidecar; that is not a way around
@@ -374,7 +411,8 @@ fn socket_options_and_addresses() -> Result<()> {
         );
     }
 
-    // SO_MARK needs CAP_NET_ADMIN: the app cannot set it.
+    // SO_MARK needs CAP_NET_ADMIN, or since Linux 5.17 CAP_NET_RAW as well (sk_setsockopt's
+    // sockopt_ns_capable check for either): the app, with neither, cannot set it on 6.1 or 6.12.
     let m = f.mark();
     let v = f.app(&["connect-sock", &v4, "--mark", "1337"])?;
     ensure!(v["stage"] == "SO_MARK", "{v}");
@@ -584,5 +622,46 @@ fn a_reconnected_socket_keeps_no_stale_original_destination() -> Result<()> {
         m,
         f.client.ipv4.into(),
     )?;
+    Ok(())
+}
+
+/// `net.ipv4.conf.{all,eth0}.route_localnet` in the client pod, and on the node side of its
+/// veth (which must answer ARP for a loopback source).
+fn set_route_localnet(f: &Fixture, value: &str) -> Result<()> {
+    let node_side = f.client.node_side_ifindex("eth0")?.to_string();
+    let node_if = std::fs::read_dir("/sys/class/net")?
+        .filter_map(Result::ok)
+        .find(|e| {
+            std::fs::read_to_string(e.path().join("ifindex")).is_ok_and(|i| i.trim() == node_side)
+        })
+        .context("the node side of the client's veth")?
+        .file_name();
+    let node_if = node_if.to_string_lossy();
+    for dev in ["all", "eth0"] {
+        let key = format!("net.ipv4.conf.{dev}.route_localnet={value}");
+        run_tool(&[
+            "ip",
+            "netns",
+            "exec",
+            &f.client.netns_name,
+            "sysctl",
+            "-qw",
+            &key,
+        ])?;
+    }
+    let key = format!("net.ipv4.conf.{node_if}.route_localnet={value}");
+    run_tool(&["sysctl", "-qw", &key])
+}
+
+fn run_tool(argv: &[&str]) -> Result<()> {
+    let out = std::process::Command::new(argv[0])
+        .args(&argv[1..])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "`{}`: {}",
+        argv.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(())
 }

@@ -120,6 +120,13 @@ fn dns_capture_udp_and_tcp() -> Result<()> {
     let real6 = format!("[{}]:53", resolver.ipv6.context("IPv6")?);
     let r = query(&env, &pod, APP_UID, &real6, false)?;
     answered(&r, &real6, "dns-proxy", &format!("[{pod6}]"))?;
+    // A socket whose option memory is full cannot hold the server's address: the query is
+    // refused (EPERM) rather than sent around the DNS proxy, as connect refuses in that case.
+    let r = query_with(&env, &pod, APP_UID, &real6, &["--fill-optmem"])?;
+    ensure!(
+        r["stage"] == "send" && r["error"].as_str().unwrap_or("").contains("os error 1)"),
+        "a query that could not be recorded must be refused, not answered: {r}"
+    );
     // The proxy's own queries reach the real server.
     let r = query(&env, &pod, PROXY_UID, &real, false)?;
     answered(&r, &real, "upstream", &pod4)?;

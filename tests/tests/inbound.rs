@@ -396,3 +396,87 @@ fn a_syn_behind_vlan_tags_is_captured_under_both_hooks() -> Result<()> {
     }
     Ok(())
 }
+
+/// IPv6 accepts a packet from the wire whose source is one of the receiving host's own
+/// addresses, and the kernel reports the pod's own IPv6 connections to itself on the address's
+/// interface rather than on lo. So a local source proves nothing by itself: a SYN from another
+/// pod forging the server pod's own address (or ::6, the proxy's passthrough source) must be
+/// captured, as Istio's PREROUTING captures it, while the pod's real connections to itself and
+/// the proxy's hand-off from ::6 still reach the app.
+#[test]
+fn a_forged_local_source_from_off_the_pod_is_captured() -> Result<()> {
+    if skip_unless_root("a_forged_local_source_from_off_the_pod_is_captured") {
+        return Ok(());
+    }
+    let env = TestEnv::new("inbound-forged")?;
+    let node = Node::new(&env, NodeOptions::dual_stack())?;
+    let attacker = node.add_pod("attacker")?;
+    let server = node.add_pod("server")?;
+    let loaded = Loaded::load(&env)?;
+    loaded.enroll(&server, &[])?;
+    let server6 = server.ipv6.context("dual-stack server has no IPv6")?;
+    let app_addr = format!("[{server6}]:8080");
+    let mut proxy = server.spawn(
+        &env,
+        Spawn::new(&[probe(), "proxy", "[::]:15006", "-", "--no-forward"])
+            .user(PROXY_UID, PROXY_UID),
+    )?;
+    let mut app = server.spawn(
+        &env,
+        Spawn::new(&[
+            probe(),
+            "proxy",
+            "[::]:8080",
+            "-",
+            "--no-forward",
+            "--v6only",
+        ])
+        .user(APP_UID, APP_UID),
+    )?;
+    sidestep_tests::wait_listening(
+        &mut proxy,
+        &["[::]:15006".parse()?],
+        Duration::from_secs(10),
+    )?;
+    sidestep_tests::wait_listening(&mut app, &["[::]:8080".parse()?], Duration::from_secs(10))?;
+
+    for forged in [server6.to_string(), "::6".to_string()] {
+        let before = counter(&loaded, &server, "redirected_inbound")?;
+        // Root in the attacker pod: a raw socket needs CAP_NET_RAW.
+        let out = attacker.run(&env, 0, &[probe(), "spoof-syn", &forged, &app_addr])?;
+        ensure!(
+            String::from_utf8_lossy(&out.stdout).contains("\"sent\":1"),
+            "spoof-syn: {out:?}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        let after = counter(&loaded, &server, "redirected_inbound")?;
+        ensure!(
+            after == before + 1,
+            "a SYN forging {forged} from another pod was not captured (redirected_inbound \
+             {before} -> {after})"
+        );
+    }
+
+    // The pod's own connection to its own address, and the proxy's hand-off from ::6: the app's.
+    let before = counter(&loaded, &server, "redirected_inbound")?;
+    let accepted_before = app.stdout().lines().count();
+    let self_call = server.run(&env, APP_UID, &[probe(), "connect", &app_addr])?;
+    ensure!(self_call.status.success(), "self call: {self_call:?}");
+    let handoff = server.run(
+        &env,
+        PROXY_UID,
+        &[probe(), "connect", &app_addr, "--bind", "[::6]:0"],
+    )?;
+    ensure!(handoff.status.success(), "hand-off from ::6: {handoff:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(
+        app.stdout().lines().count() == accepted_before + 2,
+        "the app did not accept the pod's own connections: {}",
+        app.stdout()
+    );
+    ensure!(
+        counter(&loaded, &server, "redirected_inbound")? == before,
+        "the pod's own connections were captured inbound"
+    );
+    Ok(())
+}

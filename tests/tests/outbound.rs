@@ -14,7 +14,7 @@ use sidestep_tests::{
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
 /// connect4/6, getpeername4/6, sendmsg4/6, recvmsg4/6, sockops, getsockopt.
-const CGROUP_PROGRAMS: usize = 10;
+const CGROUP_PROGRAMS: usize = 13;
 
 fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")

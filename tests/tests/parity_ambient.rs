@@ -459,12 +459,10 @@ fn parity_with_istio_ambient() -> Result<()> {
     let mut listeners = Listeners::default();
     // ztunnel's in-pod listeners: root, transparent (it delivers from client addresses).
     let start_ztunnel = |listeners: &mut Listeners| {
-        listeners.start_transparent(
+        listeners.start_ztunnel(
             &env,
             probe(),
             Some(&s),
-            0,
-            0,
             &wild(&[15001, 15006, 15008, 15053]),
             |p| p.to_string(),
         )

@@ -182,10 +182,12 @@ impl Topology {
 
 /// `probe udp-serve ADDR --name NAME` in `pod` (as root: ztunnel's listeners are root's).
 fn serve(env: &TestEnv, pod: &Pod, addr: &str, name: &str) -> Result<ChildGuard> {
-    pod.spawn(
-        env,
-        Spawn::new(&[probe(), "udp-serve", addr, "--name", name]),
-    )
+    let mut argv = vec![probe(), "udp-serve", addr, "--name", name];
+    // ztunnel's DNS port in the ambient pod: only a socket with ztunnel's mark may bind it.
+    if addr.ends_with(":15053") {
+        argv.extend(["--bind-mark", ZTUNNEL_MARK]);
+    }
+    pod.spawn(env, Spawn::new(&argv))
 }
 
 #[test]

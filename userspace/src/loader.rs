@@ -38,7 +38,7 @@ pub struct CgroupProgram {
     pub attach_type: bpf_attach_type,
 }
 
-pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
+pub const CGROUP_PROGRAMS: [CgroupProgram; 13] = [
     CgroupProgram {
         name: program_names::CONNECT4,
         attach_point: "connect4",
@@ -88,6 +88,21 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 10] = [
         name: program_names::GETSOCKOPT,
         attach_point: "getsockopt",
         attach_type: bpf_attach_type::BPF_CGROUP_GETSOCKOPT,
+    },
+    CgroupProgram {
+        name: program_names::SETSOCKOPT,
+        attach_point: "setsockopt",
+        attach_type: bpf_attach_type::BPF_CGROUP_SETSOCKOPT,
+    },
+    CgroupProgram {
+        name: program_names::BIND4,
+        attach_point: "bind4",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET4_BIND,
+    },
+    CgroupProgram {
+        name: program_names::BIND6,
+        attach_point: "bind6",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET6_BIND,
     },
 ];
 

@@ -118,6 +118,7 @@ impl VerdictLine {
     pub fn outcome(&self) -> &'static str {
         match (self.kind, self.rule) {
             (_, rule::IN_NO_LISTENER) => "refused",
+            (redirect_kind::REFUSED, _) => "refused",
             (0, _) => "passed",
             (redirect_kind::OUTBOUND, _) => "redirected to the outbound port",
             (redirect_kind::INBOUND, _) => "redirected to the inbound port",

@@ -55,7 +55,7 @@ enum Task {
         #[arg(long, value_name = "LIST")]
         kernel: Option<String>,
         /// With --kernel: `capture` (outbound, inbound, parity, cni_chain, tc_netlink, validation,
-        /// verdict_log, parity_ambient, ambient, skmsg_bulk, bypass, reroute, dns) or `full`
+        /// verdict_log, parity_ambient, ambient, skmsg_bulk, bypass, source_route, reroute, dns, ...) or `full`
         /// (every test binary of sidestep-tests but bench, and the unit tests).
         #[arg(
             long,

@@ -79,6 +79,12 @@ pub mod program_names {
     pub const GETPEERNAME6: &str = "sidestep_getpeername6";
     pub const SOCK_OPS: &str = "sidestep_sockops";
     pub const GETSOCKOPT: &str = "sidestep_getsockopt";
+    /// cgroup/setsockopt: refuses source routing (a routing header or IPv4 LSRR/SSRR) on the
+    /// sockets of enrolled pods, which would send their packets to a first hop connect never saw.
+    pub const SETSOCKOPT: &str = "sidestep_setsockopt";
+    /// cgroup/bind4 and bind6: in an ambient pod, only ztunnel's marked sockets bind its ports.
+    pub const BIND4: &str = "sidestep_bind4";
+    pub const BIND6: &str = "sidestep_bind6";
     pub const TC_INGRESS: &str = "sidestep_tc_ingress";
     pub const SENDMSG4: &str = "sidestep_sendmsg4";
     pub const SENDMSG6: &str = "sidestep_sendmsg6";
@@ -231,6 +237,10 @@ pub mod rule {
     pub const NOT_CAPTURED_PROTOCOL: u16 = 102;
     /// TPROXY mode: the proxy's transparent connection to its app.
     pub const TPROXY_PASSTHROUGH: u16 = 103;
+    /// A socket bound to a loopback address calling a destination off the pod: refused. The
+    /// kernel refuses it too unless `route_localnet` is on (kube-proxy turns it on), and then
+    /// Istio's `-o lo -s 127.0.0.6` RETURN does not match it, so nothing may pass it.
+    pub const LOOPBACK_SOURCE_OFF_POD: u16 = 104;
     /// Ambient: the rules of istio-cni's in-pod ISTIO_OUTPUT chain (nat), numbered in order.
     pub const AMBIENT_PROBE_REPLY: u16 = 111;
     pub const AMBIENT_DNS_UDP: u16 = 112;
@@ -271,6 +281,7 @@ pub mod rule {
             OUT_INCLUDED_PORT => "includeOutboundPorts",
             OUT_INCLUDED_CIDR => "includeOutboundIPRanges",
             NO_IPV6 => "no IPv6 capture",
+            LOOPBACK_SOURCE_OFF_POD => "loopback source to an address off the pod",
             EXCLUDED_INTERFACE => "excludeInterfaces",
             NOT_CAPTURED_PROTOCOL => "protocol not captured",
             TPROXY_PASSTHROUGH => "TPROXY passthrough",
@@ -382,6 +393,14 @@ pub mod redirect_kind {
     /// an ambient pod, recorded when its SYN is about to leave, so that the pod's inbound
     /// capture leaves it to the app, as istio-cni's `--socket-exists` SNAT on the node does.
     pub const NODE_SOCKET: u16 = 6;
+    /// Not a redirect: the connect or datagram fails with EPERM (a verdict only, never stored).
+    pub const REFUSED: u16 = 7;
+    /// Not redirected: an IPv6 connection from a pod to one of its own addresses (from that
+    /// address, another of the pod's, or ::6), recorded when its SYN is about to leave. The
+    /// kernel reports such a SYN on the address's interface rather than on lo, so only this
+    /// record tells it from a SYN with a forged source from off the pod (IPv6, unlike IPv4,
+    /// accepts local sources from the wire), which must be captured as Istio's PREROUTING does.
+    pub const LOCAL_SELF: u16 = 8;
 }
 
 /// What the socket's peer really was before sidestep redirected it.
@@ -418,6 +437,21 @@ pub struct TupleKey {
     pub client_port: u16,
     pub server_port: u16,
     pub _reserved: u32,
+}
+
+impl TupleKey {
+    /// The connection from `client` (address, port) to `server` in the netns `netns_cookie`.
+    #[inline(always)]
+    pub const fn new(netns_cookie: u64, client: ([u32; 4], u16), server: ([u32; 4], u16)) -> Self {
+        Self {
+            netns_cookie,
+            client_addr: client.0,
+            server_addr: server.0,
+            client_port: client.1,
+            server_port: server.1,
+            _reserved: 0,
+        }
+    }
 }
 
 /// Key of `SIDESTEP_LSTN`: a pod's inbound proxy listener, per address family.
@@ -557,6 +591,21 @@ pub mod linux {
     pub const IPPROTO_UDP: u32 = 17;
     pub const SOL_SOCKET: i32 = 1;
     pub const SO_MARK: i32 = 36;
+    /// SOL_IP: the IPv4 options every packet of the socket carries.
+    pub const IP_OPTIONS: i32 = 4;
+    /// SOL_IPV6: RFC 2292's sticky packet options, a control-message buffer (it may hold a
+    /// routing header).
+    pub const IPV6_2292PKTOPTIONS: i32 = 6;
+    /// SOL_IPV6: the sticky routing header (RFC 3542); a type-4 segment routing header needs no
+    /// privilege.
+    pub const IPV6_RTHDR: i32 = 57;
+    /// IPv4 loose and strict source route options (RFC 791).
+    pub const IPOPT_LSRR: u8 = 0x83;
+    pub const IPOPT_SSRR: u8 = 0x89;
+    pub const IPOPT_END: u8 = 0;
+    pub const IPOPT_NOOP: u8 = 1;
+    /// The longest IPv4 options block.
+    pub const MAX_IPOPTLEN: usize = 40;
 }
 
 /// The IPv4-mapped IPv6 form of an IPv4 address given in network byte order.

@@ -37,7 +37,13 @@ pub fn is_ambient(pod: &PodPolicy) -> bool {
 /// mark and its mask (`sidestep_abi::ambient`).
 #[inline(always)]
 fn is_ztunnel(c: &Connect) -> bool {
-    c.mark & c.policy.proxy_gid == c.policy.proxy_uid
+    is_ztunnel_mark(c.policy, c.mark)
+}
+
+/// Whether a socket mark is ztunnel's, under the pod entry's mark and mask.
+#[inline(always)]
+pub fn is_ztunnel_mark(pod: &PodPolicy, mark: u32) -> bool {
+    mark & pod.proxy_gid == pod.proxy_uid
 }
 
 /// 169.254.7.127 or its IPv6 twin: the source kubelet's probes are SNATed to on the node.
@@ -80,14 +86,11 @@ pub fn node_socket_record(
     if !pod_policy(pod).is_some_and(|p| is_ambient(&p)) {
         return None;
     }
-    let key = TupleKey {
-        netns_cookie: node_netns_cookie(),
-        client_addr: local,
-        server_addr: remote,
-        client_port: local_port,
-        server_port: remote_port,
-        _reserved: 0,
-    };
+    let key = TupleKey::new(
+        node_netns_cookie(),
+        (local, local_port),
+        (remote, remote_port),
+    );
     let record = OrigDst {
         addr: remote,
         port_be: remote_port.to_be(),
@@ -118,14 +121,7 @@ pub fn is_from_node_socket(
     if node == 0 {
         return false;
     }
-    let key = TupleKey {
-        netns_cookie: node,
-        client_addr: client,
-        server_addr: server,
-        client_port,
-        server_port,
-        _reserved: 0,
-    };
+    let key = TupleKey::new(node, (client, client_port), (server, server_port));
     // SAFETY: the value is read at once.
     unsafe { SIDESTEP_PEND.get(key) }.is_some_and(|o| o.kind == redirect_kind::NODE_SOCKET)
 }

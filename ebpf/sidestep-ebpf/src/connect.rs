@@ -129,6 +129,9 @@ unsafe fn connect(ctx: &SockAddrContext, ipv6: bool) -> bool {
         );
     }
     let Verdict { port, kind, .. } = verdict;
+    if verdict.is_refused() {
+        return false;
+    }
     if verdict.is_pass() {
         // A socket connected again (UDP, or TCP after a failed connect) must not keep the
         // original destination of an earlier captured connect: getpeername, sockops and

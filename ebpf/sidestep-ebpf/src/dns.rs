@@ -21,20 +21,28 @@ use crate::{
 };
 
 const ALLOW: i32 = 1;
+/// sendmsg fails with EPERM.
+const REFUSE: i32 = 0;
 const DNS_PORT_BE: u16 = 53_u16.to_be();
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sidestep_sendmsg4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the kernel hands us a valid bpf_sock_addr for the duration of the call.
-    unsafe { send(&ctx, false) };
-    ALLOW
+    if unsafe { send(&ctx, false) } {
+        ALLOW
+    } else {
+        REFUSE
+    }
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sidestep_sendmsg6(ctx: SockAddrContext) -> i32 {
     // SAFETY: as above.
-    unsafe { send(&ctx, true) };
-    ALLOW
+    if unsafe { send(&ctx, true) } {
+        ALLOW
+    } else {
+        REFUSE
+    }
 }
 
 #[cgroup_sock_addr(recvmsg4)]
@@ -51,28 +59,31 @@ pub fn sidestep_recvmsg6(ctx: SockAddrContext) -> i32 {
     ALLOW
 }
 
+/// Returns whether the datagram may go: false only when it must be captured and cannot be, or
+/// when the capture decision refuses it.
+///
 /// # Safety
 /// `ctx` must be the live context of a sendmsg program.
 #[inline(always)]
-unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
+unsafe fn send(ctx: &SockAddrContext, ipv6: bool) -> bool {
     let sa = ctx.sock_addr;
     // SAFETY: 4-byte context field.
     let port_be = unsafe { load(&raw const (*sa).user_port) } as u16;
     if port_be != DNS_PORT_BE {
-        return;
+        return true;
     }
     // SAFETY: valid sock_addr context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some(pod) = policy::pod_policy(netns_cookie) else {
-        return;
+        return true;
     };
     if pod.flags & flags::DNS_CAPTURE == 0 {
-        return;
+        return true;
     }
     // SAFETY: context pointer field.
     let sk = unsafe { (*sa).__bindgen_anon_1.sk };
     if sk.is_null() {
-        return;
+        return true;
     }
     // SAFETY: 4-byte context fields and socket fields, one word at a time.
     let (dst, bound_src, bound_dev_if, mark) = unsafe {
@@ -109,8 +120,11 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         mark,
         bound_dev_if,
     });
+    if verdict.is_refused() {
+        return false;
+    }
     if verdict.kind != redirect_kind::DNS {
-        return;
+        return true;
     }
     let v4 = is_v4_mapped(&dst);
     let mut orig = OrigDst {
@@ -123,7 +137,11 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
     // SAFETY: `sk` is this context's socket.
     let stored = unsafe { socket_orig_dst(sk.cast(), Some(&mut orig)) };
     if stored.is_null() {
-        return;
+        // No room for the server's address (a socket can exhaust its option memory on purpose):
+        // the reply could not be attributed, and sending it on would bypass the DNS proxy.
+        // Refused, as connect refuses in the same case.
+        policy::count(netns_cookie, |c| c.orig_dst_misses += 1);
+        return false;
     }
     // SAFETY: non-null storage of this socket.
     unsafe { *stored = orig };
@@ -152,6 +170,7 @@ unsafe fn send(ctx: &SockAddrContext, ipv6: bool) {
         store(&raw mut (*sa).user_port, pod.dns_port.to_be() as u32);
     }
     policy::count(netns_cookie, |c| c.dns_redirected += 1);
+    true
 }
 
 /// # Safety

@@ -156,14 +156,11 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
     if assigned != 0 {
         return DROP;
     }
-    let key = TupleKey {
+    let key = TupleKey::new(
         netns_cookie,
-        client_addr: seg.src,
-        server_addr: seg.dst,
-        client_port: u16::from_be(seg.src_port_be),
-        server_port: dst_port,
-        _reserved: 0,
-    };
+        (seg.src, u16::from_be(seg.src_port_be)),
+        (seg.dst, dst_port),
+    );
     let orig = OrigDst {
         addr: seg.dst,
         port_be: seg.dst_port_be,

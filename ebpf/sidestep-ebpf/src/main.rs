@@ -12,11 +12,13 @@ mod maps;
 mod packet;
 mod peername;
 mod policy;
+mod portguard;
 mod reroute;
 mod sklookup;
 mod skmsg;
 mod sockops;
 mod sockopt;
+mod sourceroute;
 
 #[cfg(not(test))]
 #[panic_handler]

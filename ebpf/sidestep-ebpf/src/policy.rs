@@ -238,6 +238,21 @@ impl Verdict {
         Self { port, kind, rule }
     }
 
+    /// Fail the connect or the datagram (EPERM).
+    #[inline(always)]
+    pub const fn refuse(rule: u16) -> Self {
+        Self {
+            port: 0,
+            kind: redirect_kind::REFUSED,
+            rule,
+        }
+    }
+
+    #[inline(always)]
+    pub const fn is_refused(&self) -> bool {
+        self.kind == redirect_kind::REFUSED
+    }
+
     #[inline(always)]
     pub const fn is_pass(&self) -> bool {
         self.kind == 0
@@ -309,16 +324,20 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     if p.flags & flags::HAS_EXCLUDED_IFACES != 0 && !local_dst && leaves_excluded_interface(c) {
         return Verdict::pass(rule::EXCLUDED_INTERFACE);
     }
-    // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app. An IPv4 socket bound to
-    // a loopback address cannot leave the pod at all: the route lookup refuses it (EINVAL)
-    // before netfilter sees it, so it is not captured either.
+    // An IPv4 socket bound to a loopback address, to a destination off the pod. The route lookup
+    // refuses it (EINVAL) unless `route_localnet` is on, which kube-proxy sets on the node and a
+    // new netns copies; then rule 2 below does not match it (not `-o lo`) and Istio captures it.
+    // It is refused rather than redirected: no proxy or app makes such a connection on purpose.
+    if !local_dst && is_v4_mapped(&c.bound_src) && is_loopback(&c.bound_src) {
+        return Verdict::refuse(rule::LOOPBACK_SOURCE_OFF_POD);
+    }
+    // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app.
     // An unbound IPv6 socket calling ::6 gets ::6 as its source too (RFC 6724 rule 1, same
     // address first), which this rule matches; 127.0.0.6 gets lo's 127.0.0.1.
     let v6_passthrough_dst = !is_v4_mapped(&c.dst) && is_passthrough_source(&c.dst);
-    if (local_dst
+    if local_dst
         && (is_passthrough_source(&c.bound_src)
-            || (v6_passthrough_dst && is_unspecified(&c.bound_src))))
-        || (!local_dst && is_v4_mapped(&c.bound_src) && is_loopback(&c.bound_src))
+            || (v6_passthrough_dst && is_unspecified(&c.bound_src)))
     {
         return Verdict::pass(rule::INBOUND_PASSTHROUGH);
     }

@@ -171,14 +171,11 @@ pub fn sidestep_reroute_in(ctx: TcContext) -> i32 {
             iface.flags & reroute_flags::HAS_V4 != 0,
         )
     };
-    let key = TupleKey {
+    let key = TupleKey::new(
         netns_cookie,
-        client_addr: seg.src,
-        server_addr: iface_addr,
-        client_port: u16::from_be(seg.src_port_be),
-        server_port: pod.outbound_port,
-        _reserved: 0,
-    };
+        (seg.src, u16::from_be(seg.src_port_be)),
+        (iface_addr, pod.outbound_port),
+    );
     let dst_off = if seg.ipv6 { IPV6_DST_OFF } else { IPV4_DST_OFF };
     let new = (&iface_addr, pod.outbound_port.to_be());
     let old = (&seg.dst, seg.dst_port_be);
@@ -249,14 +246,11 @@ pub fn sidestep_reroute_eg(ctx: TcContext) -> i32 {
         return NEXT;
     }
     let iface_addr = if seg.ipv6 { iface.addr6 } else { iface.addr4 };
-    let key = TupleKey {
+    let key = TupleKey::new(
         netns_cookie,
-        client_addr: seg.dst,
-        server_addr: seg.src,
-        client_port: u16::from_be(seg.dst_port_be),
-        server_port: pod.outbound_port,
-        _reserved: 0,
-    };
+        (seg.dst, u16::from_be(seg.dst_port_be)),
+        (seg.src, pod.outbound_port),
+    );
     if key.server_addr != iface_addr {
         return NEXT;
     }

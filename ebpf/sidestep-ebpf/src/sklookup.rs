@@ -86,11 +86,6 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     } else {
         (local6, remote6)
     };
-    // From a loopback source comes the proxy's hand-off to the app (127.0.0.6) or the app
-    // calling itself: never captured inbound.
-    if policy::is_loopback(&remote) || policy::is_passthrough_source(&remote) {
-        return SK_PASS;
-    }
     let netns_cookie = if named != 0 {
         named
     } else {
@@ -131,21 +126,23 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
         }
         return SK_PASS;
     }
-    // The pod calling its own address arrives over lo, but for IPv6 the kernel reports the
-    // interface that owns the address: Istio's PREROUTING never sees such a connection (its
-    // nat decision was made in OUTPUT), so it is never captured inbound.
-    if policy::is_pod_address(netns_cookie, &remote) || same_address(&remote, &local) {
-        return SK_PASS;
-    }
     let remote_port = u16::from_be(remote_port as u16);
-    let pending = TupleKey {
-        netns_cookie,
-        client_addr: remote,
-        server_addr: local,
-        client_port: remote_port,
-        server_port: port,
-        _reserved: 0,
-    };
+    let pending = TupleKey::new(netns_cookie, (remote, remote_port), (local, port));
+    // The proxy's hand-off to the app (127.0.0.6, ::6) and the pod calling its own address are
+    // never captured inbound: Istio's PREROUTING never sees them (their nat decision was made
+    // in OUTPUT). The kernel may report them on the interface that owns the address rather
+    // than on lo, so their source decides. IPv4 refuses a local source from the wire (a
+    // martian); IPv6 does not, so there such a source passes only with sock_ops' record of the
+    // pod's own connect, and a forged one from off the pod is captured.
+    if has_local_source(netns_cookie, &remote, &local) {
+        // SAFETY: the value is read at once.
+        let own = v4
+            || unsafe { SIDESTEP_PEND.get(pending) }
+                .is_some_and(|o| o.kind == redirect_kind::LOCAL_SELF);
+        if own {
+            return SK_PASS;
+        }
+    }
     // TPROXY: the proxy's own transparent connection to its app, from the client's address (in
     // ambient mode ztunnel's). Its SYN comes over lo, but the kernel reports the pod interface as
     // its ingress.
@@ -230,6 +227,16 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     let _ = SIDESTEP_PEND.insert(pending, orig, 0);
     policy::count(netns_cookie, |c| c.redirected_inbound += 1);
     SK_PASS
+}
+
+/// A source only the pod itself should have: loopback, the passthrough source, one of the
+/// pod's addresses, or the destination itself.
+#[inline(always)]
+fn has_local_source(netns_cookie: u64, remote: &[u32; 4], local: &[u32; 4]) -> bool {
+    policy::is_loopback(remote)
+        || policy::is_passthrough_source(remote)
+        || same_address(remote, local)
+        || policy::is_pod_address(netns_cookie, remote)
 }
 
 #[inline(always)]

@@ -163,14 +163,7 @@ pub fn sidestep_sk_msg(ctx: SkMsgContext) -> u32 {
     // SAFETY: valid sk_msg context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // The peer socket's own view of this connection: its local end is our remote end.
-    let peer = TupleKey {
-        netns_cookie,
-        client_addr: remote,
-        server_addr: local,
-        client_port: remote_port,
-        server_port: local_port,
-        _reserved: 0,
-    };
+    let peer = TupleKey::new(netns_cookie, (remote, remote_port), (local, local_port));
     // A failed redirect (no peer, or not established) takes the ordinary path rather than
     // dropping data, and so does every later message.
     if SIDESTEP_SOCKS.redirect_msg(&ctx, peer, u64::from(BPF_F_INGRESS)) != i64::from(SK_PASS) {

@@ -122,15 +122,13 @@ unsafe fn endpoints(ops: *mut bpf_sock_ops) -> ([u32; 4], u16, [u32; 4], u16) {
 unsafe fn client_tuple(ctx: &SockOpsContext) -> Option<TupleKey> {
     // SAFETY: forwarded from our caller.
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
-    Some(TupleKey {
-        // SAFETY: valid sock_ops context.
-        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
-        client_addr: local,
-        server_addr: remote,
-        client_port: local_port,
-        server_port: remote_port,
-        _reserved: 0,
-    })
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    Some(TupleKey::new(
+        netns_cookie,
+        (local, local_port),
+        (remote, remote_port),
+    ))
 }
 
 /// # Safety
@@ -148,7 +146,10 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     let orig = unsafe { socket_orig_dst(sk, None) };
     if orig.is_null() {
         // SAFETY: forwarded from our caller.
-        unsafe { on_node_connect(ctx) };
+        unsafe {
+            on_self_connect(ctx);
+            on_node_connect(ctx);
+        }
         return;
     }
     // SAFETY: non-null storage of this socket.
@@ -158,6 +159,48 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
         return;
     };
     if SIDESTEP_PEND.insert(key, orig, 0).is_ok() {
+        // SAFETY: forwarded from our caller.
+        unsafe { ask_for_state_callbacks(ctx) };
+    }
+}
+
+/// An IPv6 socket of an enrolled pod connecting to one of the pod's own addresses: record its
+/// 4-tuple (`redirect_kind::LOCAL_SELF`) so that sk_lookup, which sees the SYN arrive on the
+/// address's interface rather than on lo, can tell it from a forged one. The record goes with the
+/// socket's close, as a redirected client's does.
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn on_self_connect(ctx: &SockOpsContext) {
+    // SAFETY: 4-byte context field.
+    if unsafe { load(&raw const (*ctx.ops).family) } != u32::from(linux::AF_INET6) {
+        return;
+    }
+    // SAFETY: forwarded from our caller.
+    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
+    if sidestep_abi::is_v4_mapped(&remote) {
+        return;
+    }
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    // The same address on both ends covers what the pod map does not name (a link-local one).
+    let same = local[0] == remote[0]
+        && local[1] == remote[1]
+        && local[2] == remote[2]
+        && local[3] == remote[3];
+    if !same && !crate::policy::is_pod_address(netns_cookie, &remote) {
+        return;
+    }
+    let key = TupleKey::new(netns_cookie, (local, local_port), (remote, remote_port));
+    let record = OrigDst {
+        addr: remote,
+        port_be: remote_port.to_be(),
+        kind: redirect_kind::LOCAL_SELF,
+        family: linux::AF_INET6,
+        side: socket_side::CLIENT,
+    };
+    if SIDESTEP_PEND.insert(key, record, 0).is_ok() {
         // SAFETY: forwarded from our caller.
         unsafe { ask_for_state_callbacks(ctx) };
     }
@@ -209,15 +252,9 @@ unsafe fn ask_for_state_callbacks(ctx: &SockOpsContext) {
 unsafe fn on_accepted(ctx: &SockOpsContext) {
     // SAFETY: forwarded from our caller.
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
-    let key = TupleKey {
-        // SAFETY: valid sock_ops context.
-        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
-        client_addr: remote,
-        server_addr: local,
-        client_port: remote_port,
-        server_port: local_port,
-        _reserved: 0,
-    };
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let key = TupleKey::new(netns_cookie, (remote, remote_port), (local, local_port));
     // SAFETY: the value is copied out at once.
     let Some(mut orig) = (unsafe { SIDESTEP_PEND.get(key) }).copied() else {
         crate::ambient::forget_node_socket(key);
@@ -273,6 +310,20 @@ unsafe fn on_listen(ctx: &SockOpsContext) {
     if port != u32::from(pod.inbound_port) || pod.flags & flags::INBOUND == 0 {
         return;
     }
+    // In an ambient pod only ztunnel's marked listener takes captured inbound: a socket bound
+    // before the pod was enrolled (so before the bind guard, portguard.rs) must not be chosen.
+    if crate::ambient::is_ambient(&pod) {
+        // SAFETY: forwarded from our caller.
+        let sk = unsafe { full_socket(ctx.ops) }.cast::<aya_ebpf::bindings::bpf_sock>();
+        if sk.is_null() {
+            return;
+        }
+        // SAFETY: `sk` is this context's full socket; `mark` is a 4-byte field.
+        let mark = unsafe { load(&raw const (*sk).mark) };
+        if !crate::ambient::is_ztunnel_mark(&pod, mark) {
+            return;
+        }
+    }
     let key = ListenerKey {
         netns_cookie,
         family,
@@ -324,14 +375,7 @@ unsafe fn add_to_sockhash(
     if pod.flags & flags::SK_MSG == 0 {
         return;
     }
-    let key = TupleKey {
-        netns_cookie,
-        client_addr: local,
-        server_addr: remote,
-        client_port: local_port,
-        server_port: remote_port,
-        _reserved: 0,
-    };
+    let key = TupleKey::new(netns_cookie, (local, local_port), (remote, remote_port));
     // SAFETY: `ctx.ops` is the live sock_ops context the helper needs.
     let _ = SIDESTEP_SOCKS.update(key, unsafe { &mut *ctx.ops }, 0);
 }

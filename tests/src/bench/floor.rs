@@ -36,7 +36,7 @@ pub struct Hook {
     pub stands_for: &'static [&'static str],
 }
 
-pub const HOOKS: [Hook; 11] = {
+pub const HOOKS: [Hook; 12] = {
     use bpf_attach_type::*;
     use bpf_prog_type::*;
     const fn cgroup(
@@ -90,6 +90,12 @@ pub const HOOKS: [Hook; 11] = {
             BPF_PROG_TYPE_CGROUP_SOCKOPT,
             BPF_CGROUP_GETSOCKOPT,
             &["sidestep_getsockopt"],
+        ),
+        cgroup(
+            "floor_setsopt",
+            BPF_PROG_TYPE_CGROUP_SOCKOPT,
+            BPF_CGROUP_SETSOCKOPT,
+            &["sidestep_setsockopt"],
         ),
         cgroup(
             "floor_sendmsg4",

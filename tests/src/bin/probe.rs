@@ -24,6 +24,11 @@
 //!     used up; --first: connect it to ADDR first, expecting that to fail); print
 //!     {"peer","local","reply","md5_keys","first_errno","orig_v4"} or {"error","errno","stage"}
 //! probe raw                          try raw IPv4/IPv6 and AF_PACKET sockets, print the errnos
+//! probe spoof-syn SRC-IP DST        one SYN from a forged source (raw socket, CAP_NET_RAW)
+//! probe bind ADDR [--udp] [--mark N] [--listen-after-ms MS]
+//!     bind one socket (marked first), report the errno; optionally listen later (probe/bindport.rs)
+//! probe srcroute KIND ADDR --via HOP [--after]
+//!     connect to ADDR from a socket with a source route through HOP (probe/srcroute.rs)
 //! probe hold ADDR                    keep accepted connections open (echo), print accepts and closes
 //! probe origdst-echo ADDR[,ADDR...]  answer each connection with its SO_ORIGINAL_DST, then close
 //! probe slow-sink ADDR [--sleep-ms N] [--echo]
@@ -42,6 +47,8 @@
 
 // A binary's modules would be found beside it in src/bin/ and be taken for binaries themselves,
 // hence the explicit paths.
+#[path = "probe/bindport.rs"]
+mod bindport;
 #[path = "probe/bulk.rs"]
 mod bulk;
 #[path = "probe/bypass.rs"]
@@ -52,6 +59,8 @@ mod craft;
 mod redirect;
 #[path = "probe/sock.rs"]
 mod sock;
+#[path = "probe/srcroute.rs"]
+mod srcroute;
 #[path = "probe/validate.rs"]
 mod validate;
 #[path = "probe/ztunnel.rs"]
@@ -94,7 +103,11 @@ fn main() {
                 Duration::from_millis(timeout),
             )
         }
-        Some("udp-serve") => udp_serve(addr(1), option("--name")),
+        Some("udp-serve") => udp_serve(
+            addr(1),
+            option("--name"),
+            option("--bind-mark").map(|m| m.parse().expect("probe: --bind-mark takes a number")),
+        ),
         Some("udp-query") => udp_query(
             addr(1),
             &UdpQuery {
@@ -102,6 +115,7 @@ fn main() {
                 unbound: flag("--unbound"),
                 first: option("--first").map(parse),
                 mark: option("--mark").map(|m| m.parse().expect("probe: --mark takes a number")),
+                fill_optmem: flag("--fill-optmem"),
             },
         ),
         Some("proxy") => {
@@ -122,6 +136,8 @@ fn main() {
                     ms.parse()
                         .expect("probe: --accept-after-ms takes milliseconds")
                 })),
+                option("--bind-mark")
+                    .map(|m| m.parse().expect("probe: --bind-mark takes a number")),
             )
         }
         Some("tfo") => tfo(addr(1), option("--data").unwrap_or("probe-tfo")),
@@ -144,6 +160,27 @@ fn main() {
             },
         ),
         Some("raw") => raw(),
+        Some("bind") => bindport::bind_port(
+            addr(1),
+            &bindport::BindOptions {
+                udp: flag("--udp"),
+                mark: option("--mark").map(|m| m.parse().expect("probe: --mark takes a number")),
+                listen_after: option("--listen-after-ms").map(|ms| {
+                    Duration::from_millis(
+                        ms.parse()
+                            .expect("probe: --listen-after-ms takes milliseconds"),
+                    )
+                }),
+            },
+        ),
+        Some("srcroute") => srcroute::srcroute(
+            srcroute::Kind::parse(args.get(1).map_or("", String::as_str)),
+            addr(2),
+            option("--via")
+                .and_then(|a| a.parse().ok())
+                .expect("probe: srcroute KIND ADDR --via HOP"),
+            flag("--after"),
+        ),
         // Crafted packets (probe/craft.rs documents both).
         Some("connect-ext") => craft::connect_ext(
             addr(1),
@@ -153,6 +190,12 @@ fn main() {
                 craft::ExtHeader::DestOpts
             },
             Duration::from_secs(3),
+        ),
+        Some("spoof-syn") => craft::spoof_syn(
+            args.get(1)
+                .and_then(|a| a.parse().ok())
+                .expect("probe: spoof-syn SRC-IP DST"),
+            addr(2),
         ),
         Some("frag-syn") => craft::frag_syn(
             args.get(1)

@@ -163,12 +163,17 @@ struct Group {
     seen: usize,
 }
 
+/// ztunnel's in-pod socket mark (Istio's InpodMark, 0x539).
+const ZTUNNEL_MARK: u32 = 0x539;
+
 /// The probe listeners of a topology. Each connection is attributed to the listener whose
 /// probe printed a new line.
 #[derive(Default)]
 pub struct Listeners {
     groups: Vec<Group>,
     started: usize,
+    /// SO_MARK for the next group's binds (`start_ztunnel`).
+    bind_mark: Option<u32>,
 }
 
 /// A listener process of [`Listeners`], to stop it.
@@ -216,6 +221,23 @@ impl Listeners {
         self.start_as(env, probe, pod, (uid, gid, true), addrs, label)
     }
 
+    /// As [`Self::start_transparent`] as root, for ztunnel's in-pod listeners: each socket carries
+    /// ztunnel's mark to its bind (in an ambient pod only ztunnel may bind its ports), and drops
+    /// it once listening, so its connections behave as they always did in the tables.
+    pub fn start_ztunnel(
+        &mut self,
+        env: &TestEnv,
+        probe: &str,
+        pod: Option<&Pod>,
+        addrs: &[SocketAddr],
+        label: fn(u16) -> String,
+    ) -> Result<GroupId> {
+        self.bind_mark = Some(ZTUNNEL_MARK);
+        let started = self.start_as(env, probe, pod, (0, 0, true), addrs, label);
+        self.bind_mark = None;
+        started
+    }
+
     /// Stops one listener process (its sockets close with it).
     pub fn stop(&mut self, id: GroupId) {
         self.groups.retain(|g| g.id != id.0);
@@ -256,6 +278,13 @@ impl Listeners {
             "--v6only",
             "--transparent",
         ];
+        let mark = self.bind_mark.map(|m| m.to_string());
+        let mark_args: Vec<&str> = match &mark {
+            Some(m) => vec!["--bind-mark", m],
+            None => Vec::new(),
+        };
+        let with_caps = [&with_caps[..], &mark_args].concat();
+        let plain = [&plain[..], &mark_args].concat();
         let spec = if transparent {
             Spawn::new(&with_caps)
         } else {

@@ -50,7 +50,7 @@ const PROXY_LISTEN: &str = "127.0.0.1:15001,[::1]:15001,0.0.0.0:15006,[::]:15006
 
 /// `probe proxy LISTEN - --no-forward --v6only` as `uid` in `pod`, once it listens: it prints one
 /// line per accepted connection (peer, local address, SO_ORIGINAL_DST answers).
-fn recorder(env: &TestEnv, pod: &Pod, listen: &str, uid: u32) -> Result<ChildGuard> {
+pub(super) fn recorder(env: &TestEnv, pod: &Pod, listen: &str, uid: u32) -> Result<ChildGuard> {
     let mut child = pod.spawn(
         env,
         Spawn::new(&[probe(), "proxy", listen, "-", "--no-forward", "--v6only"]).user(uid, uid),
@@ -77,7 +77,9 @@ pub(super) struct Fixture {
     pub(super) loaded: Loaded,
     pub(super) client: Arc<Pod>,
     pub(super) server: Arc<Pod>,
-    _node: Node,
+    // Read by source_route.rs, which shares this fixture; bypass.rs itself does not.
+    #[allow(dead_code)]
+    pub(super) node: Node,
     pub(super) env: TestEnv,
 }
 
@@ -103,7 +105,7 @@ impl Fixture {
             loaded,
             client,
             server,
-            _node: node,
+            node,
             env,
         })
     }

@@ -22,11 +22,15 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
     // Istio ambient mode: its parity table, and the agent handing pods to a ztunnel stand-in.
     ("parity_ambient", &[]),
     ("ambient", &[]),
+    // Ambient: only ztunnel's marked sockets bind its in-pod ports (cgroup/bind4/6, sock_ops).
+    ("ambient_ports", &[]),
     // sk_msg's sticky fallback under bulk writes (reads kernel struct fields at BTF offsets).
     ("skmsg_bulk", &[]),
     // Bypass attempts as the app (MPTCP's subflow hand-over, TFO, option memory) and re-routed
     // interfaces (tc DNAT, VLAN tag pops): kernel behaviour the capture relies on.
     ("bypass", &[]),
+    // Source-routed sockets (routing headers, IPv4 LSRR) against Istio's rules, on the wire.
+    ("source_route", &[]),
     ("reroute", &[]),
     // DNS capture: sendmsg's source address and connect's bind of a never-bound UDP socket.
     ("dns", &[]),

@@ -310,6 +310,39 @@ pub(super) fn frag_syn(src: IpAddr, dst: SocketAddr, wait: Duration) -> i32 {
     })
 }
 
+/// `probe spoof-syn SRC DST`: one plain SYN from SRC, which need not be an address of this
+/// netns (a forged source; needs CAP_NET_RAW), to DST. Prints `{"sport","sent"}`: no reply can
+/// come back to a forged source.
+pub(super) fn spoof_syn(src: IpAddr, dst: SocketAddr) -> i32 {
+    let sport = crafted_sport();
+    let domain = if dst.is_ipv6() {
+        libc::AF_INET6
+    } else {
+        libc::AF_INET
+    };
+    let send = || -> std::io::Result<()> {
+        // IPPROTO_RAW: the packet carries its own IP header, forged source included.
+        let tx = raw_socket(domain, libc::IPPROTO_RAW)?;
+        let (ss, len) = sockaddr(SocketAddr::new(dst.ip(), 0));
+        send_to(
+            &tx,
+            &ip_packet(src, dst.ip(), &tcp_syn(src, sport, dst)),
+            &ss,
+            len,
+        )
+    };
+    match send() {
+        Ok(()) => {
+            println!("{{\"sport\":{sport},\"sent\":1}}");
+            0
+        }
+        Err(e) => {
+            print_error(&e);
+            1
+        }
+    }
+}
+
 /// A whole, unfragmented IP packet holding `tcp` from `src` to `dst`.
 fn ip_packet(src: IpAddr, dst: IpAddr, tcp: &[u8]) -> Vec<u8> {
     match (src, dst) {

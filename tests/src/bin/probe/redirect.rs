@@ -4,10 +4,11 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
+    os::fd::AsRawFd,
     time::Duration,
 };
 
-use crate::sock::{Identity, json_result, listen, open_connected_as, original_dst};
+use crate::sock::{Identity, json_result, listen_marked, open_connected_as, original_dst};
 
 pub(super) fn connect(
     addr: SocketAddr,
@@ -112,10 +113,14 @@ pub(super) fn proxy(
     v6only: bool,
     transparent: bool,
     accept_after: Duration,
+    bind_mark: Option<i32>,
 ) -> i32 {
     let mut listeners = Vec::new();
     for addr in addrs {
-        match listen(*addr, v6only, transparent) {
+        match listen_marked(*addr, v6only, transparent, bind_mark).and_then(|l| {
+            clear_mark(l.as_raw_fd(), bind_mark)?;
+            Ok(l)
+        }) {
             Ok(l) => listeners.push((l, addr.to_string())),
             Err(e) => {
                 eprintln!("probe: bind {addr}: {e}");
@@ -143,9 +148,27 @@ pub(super) fn proxy(
 
 /// Answers every datagram with "reply to <sender>", or "<name>: reply to <sender>", so that a
 /// test tells which server answered when both see the same sender.
-pub(super) fn udp_serve(addr: SocketAddr, name: Option<&str>) -> i32 {
-    let Ok(sock) = std::net::UdpSocket::bind(addr) else {
-        eprintln!("probe: bind {addr}");
+pub(super) fn udp_serve(addr: SocketAddr, name: Option<&str>, bind_mark: Option<i32>) -> i32 {
+    let bound = (|| -> std::io::Result<std::net::UdpSocket> {
+        let sock = nix::sys::socket::socket(
+            if addr.is_ipv4() {
+                nix::sys::socket::AddressFamily::Inet
+            } else {
+                nix::sys::socket::AddressFamily::Inet6
+            },
+            nix::sys::socket::SockType::Datagram,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )?;
+        if let Some(mark) = bind_mark {
+            crate::sock::set_int(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_MARK, mark)?;
+        }
+        crate::sock::bind(sock.as_raw_fd(), addr)?;
+        clear_mark(sock.as_raw_fd(), bind_mark)?;
+        Ok(std::net::UdpSocket::from(sock))
+    })();
+    let Ok(sock) = bound else {
+        eprintln!("probe: bind {addr}: {bound:?}");
         return 1;
     };
     let prefix = name.map(|n| format!("{n}: ")).unwrap_or_default();
@@ -154,6 +177,16 @@ pub(super) fn udp_serve(addr: SocketAddr, name: Option<&str>) -> i32 {
         let _ = sock.send_to(format!("{prefix}reply to {from}").as_bytes(), from);
     }
     0
+}
+
+/// `--bind-mark`: the socket carried the mark to bind (in an ambient pod only ztunnel's marked
+/// sockets may bind its ports); cleared once bound, so that what the socket sends and accepts
+/// stays unmarked, as these stand-ins always were in the parity tables.
+fn clear_mark(fd: std::os::fd::RawFd, bind_mark: Option<i32>) -> std::io::Result<()> {
+    if bind_mark.is_some() {
+        crate::sock::set_int(fd, libc::SOL_SOCKET, libc::SO_MARK, 0)?;
+    }
+    Ok(())
 }
 
 /// How `udp-query` prepares and addresses its socket.
@@ -168,6 +201,40 @@ pub(super) struct UdpQuery {
     pub first: Option<SocketAddr>,
     /// SO_MARK (ztunnel marks its own queries).
     pub mark: Option<u32>,
+    /// Exhaust the socket's option memory first (IPv6 multicast memberships), so nothing more
+    /// can be stored on it: a program that must record the query cannot.
+    pub fill_optmem: bool,
+}
+
+/// Joins IPv6 multicast groups on `fd` until the socket's option memory (net.core.optmem_max)
+/// runs out; returns how many it joined.
+fn fill_optmem_v6(fd: std::os::fd::RawFd) -> usize {
+    let mut joined = 0usize;
+    while joined < 100_000 {
+        let mut group = [0u8; 16];
+        group[0] = 0xff;
+        group[1] = 0x15;
+        group[12..].copy_from_slice(&(joined as u32).to_be_bytes());
+        let mreq = libc::ipv6_mreq {
+            ipv6mr_multiaddr: libc::in6_addr { s6_addr: group },
+            ipv6mr_interface: 0,
+        };
+        // SAFETY: `mreq` is a valid ipv6_mreq of the given size.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_IPV6,
+                libc::IPV6_ADD_MEMBERSHIP,
+                (&raw const mreq).cast(),
+                std::mem::size_of::<libc::ipv6_mreq>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            break;
+        }
+        joined += 1;
+    }
+    joined
 }
 
 /// Sends one datagram to `addr` and prints {"from","reply","local"} (`local`: getsockname once
@@ -214,6 +281,13 @@ pub(super) fn udp_query(addr: SocketAddr, q: &UdpQuery) -> i32 {
         )
     {
         return fail("SO_MARK", &e);
+    }
+    if q.fill_optmem {
+        if addr.is_ipv4() {
+            return fail("fill-optmem", &"--fill-optmem needs an IPv6 server");
+        }
+        let joined = fill_optmem_v6(std::os::fd::AsRawFd::as_raw_fd(&sock));
+        eprintln!("probe: joined {joined} multicast groups to fill the option memory");
     }
     let _ = sock.set_read_timeout(Some(Duration::from_secs(3)));
     if let Some(first) = q.first

@@ -263,8 +263,21 @@ pub(super) fn listen(
     v6only: bool,
     transparent: bool,
 ) -> std::io::Result<TcpListener> {
+    listen_marked(addr, v6only, transparent, None)
+}
+
+/// [`listen`], with SO_MARK set before the bind, as ztunnel's in-pod socket factory sets it.
+pub(super) fn listen_marked(
+    addr: SocketAddr,
+    v6only: bool,
+    transparent: bool,
+    mark: Option<i32>,
+) -> std::io::Result<TcpListener> {
     let sock = tcp_socket(addr, 0)?;
     let fd = sock.as_raw_fd();
+    if let Some(mark) = mark {
+        set_int(fd, libc::SOL_SOCKET, libc::SO_MARK, mark)?;
+    }
     set_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
     // iptables' TPROXY target drops packets for a listener without IP_TRANSPARENT.
     if transparent {

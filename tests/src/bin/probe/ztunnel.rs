@@ -22,7 +22,7 @@ use nix::{
 };
 use sidestep_tests::zds::{self, Request, ZdsHello};
 
-use crate::sock::{json_result, listen, original_dst, set_int};
+use crate::sock::{json_result, listen_marked, original_dst};
 
 const PORTS: [u16; 3] = [15001, 15006, 15008];
 const MARK: i32 = 1337;
@@ -145,8 +145,9 @@ fn start_proxy(uid: &str, netns: &OwnedFd) -> anyhow::Result<Vec<i32>> {
                     SocketAddr::from(([0, 0, 0, 0], port)),
                     SocketAddr::from(([0u16; 8], port)),
                 ] {
-                    let l = listen(addr, true, true)?;
-                    set_int(l.as_raw_fd(), libc::SOL_SOCKET, libc::SO_MARK, MARK)?;
+                    // Marked before the bind, as ztunnel's in-pod socket factory does: in an
+                    // ambient pod only a marked socket may bind these ports.
+                    let l = listen_marked(addr, true, true, Some(MARK))?;
                     out.push(l);
                 }
             }
