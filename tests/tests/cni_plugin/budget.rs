@@ -69,9 +69,11 @@ fn budget() -> Result<()> {
         ),
     ];
     let mut outcomes = Vec::new();
-    for (cid, key, value, _) in &hostile {
+    for (i, (cid, key, value, _)) in hostile.iter().enumerate() {
         let ns = sb.add_netns(cid)?;
-        let conf = annotated(&conf, json!({ *key: value }));
+        let mut conf = annotated(&conf, json!({ *key: value }));
+        // Each pod its own address, as on a node: only the maps are shared.
+        conf["prevResult"]["ips"][0]["address"] = json!(format!("10.254.0.{}/24", 20 + i));
         outcomes.push(call(&sb, "ADD", cid, &ns, &conf)?);
     }
     // First what the issue is about: a pod without such lists still enrols on the node.
