@@ -73,7 +73,11 @@ fn check_linkerd_ranges(pod: &PodInfo) {
             continue;
         };
         if let Ok(ports) = linkerd::port_ranges(key, v) {
-            assert!(ports.len() <= 1024, "{key}: {} ports", ports.len());
+            assert!(
+                ports.len() <= sidestep::enroll::MAX_POD_PORT_RULES,
+                "{key}: {} ports",
+                ports.len()
+            );
             check_port_set(key, &sidestep::policy::PortSet::Only(ports));
         }
     }

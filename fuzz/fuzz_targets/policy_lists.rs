@@ -32,6 +32,8 @@ fn quoted(e: &PolicyError) -> &str {
         PolicyError::Port { value, .. }
         | PolicyError::Cidr { value, .. }
         | PolicyError::Value { value, .. } => value,
+        // A list past the pod's budget is named, not quoted.
+        PolicyError::TooLong { .. } | PolicyError::OverBudget(_) => "",
     }
 }
 
@@ -76,7 +78,7 @@ fn ports(text: &str) {
 
     match linkerd::port_ranges("k", text) {
         Ok(r) => {
-            assert!(r.len() <= 1024);
+            assert!(r.len() <= sidestep::enroll::MAX_POD_PORT_RULES);
             assert!(!r.contains(&0));
             // Without ranges, Linkerd's lists are the plain port lists.
             if !text.contains('-') {

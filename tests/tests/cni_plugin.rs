@@ -3,6 +3,8 @@
 //! stdout. Against real pinned programs in a private cgroup and pin root. Needs root.
 
 // A test target's modules resolve beside it, not in a directory of its name.
+#[path = "cni_plugin/budget.rs"]
+mod budget;
 #[path = "cni_plugin/corpus.rs"]
 mod corpus;
 #[path = "cni_plugin/hostile.rs"]

@@ -20,7 +20,9 @@ use std::{collections::HashSet, net::IpAddr, path::Path};
 
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
-pub use limits::{MAX_EXCLUSION_ROUTES, MAX_POD_ADDRESSES};
+pub use limits::{
+    BUDGETED_PODS, MAX_EXCLUSION_ROUTES, MAX_POD_ADDRESSES, MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES,
+};
 use limits::{exclusion_routes, keep_within};
 use sidestep_abi::{
     CidrKey, InterfaceKey, PodSource, PortKey, RerouteIfKey, cidr_list, flags, iface_kind,

@@ -181,6 +181,21 @@ pub enum PolicyError {
         value: String,
         reason: String,
     },
+    /// One list alone past the pod's share of its node-wide map, found while parsing it (so a
+    /// list of thousands is never built).
+    #[error(
+        "{field}: more than {limit} {what}, the most one pod's lists may put in {map} \
+         (docs/OPERATIONS.md, \"Per-pod map budgets\")"
+    )]
+    TooLong {
+        field: String,
+        what: &'static str,
+        limit: usize,
+        map: &'static str,
+    },
+    /// The pod's lists together past its share of a node-wide map.
+    #[error(transparent)]
+    OverBudget(#[from] crate::policy::OverBudget),
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -14,7 +14,11 @@ use sidestep_abi::{
     flags, port_list,
 };
 
-use crate::error::PolicyError;
+pub use self::budget::{OverBudget, RuleList, too_many_ports};
+use crate::{
+    enroll::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES},
+    error::PolicyError,
+};
 
 /// A port list where `*` means every port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -111,15 +115,20 @@ pub fn parse_port(field: &str, text: &str) -> Result<u16, PolicyError> {
     }
 }
 
-/// Parses a comma-separated port list; `*` alone means all ports.
+/// Parses a comma-separated port list; `*` alone means all ports. More ports than one pod may
+/// put in `SIDESTEP_PORTS` ([`MAX_POD_PORT_RULES`]) is an error.
 pub fn parse_port_set(field: &str, text: &str) -> Result<PortSet, PolicyError> {
     if text.trim() == "*" {
         return Ok(PortSet::All);
     }
-    items(text)
-        .map(|p| parse_port(field, p))
-        .collect::<Result<BTreeSet<_>, _>>()
-        .map(PortSet::Only)
+    let mut ports = BTreeSet::new();
+    for item in items(text) {
+        ports.insert(parse_port(field, item)?);
+        if ports.len() > MAX_POD_PORT_RULES {
+            return Err(budget::list_too_long(field, budget::Rules::Ports));
+        }
+    }
+    Ok(PortSet::Only(ports))
 }
 
 /// Parses a comma-separated port list that may not be `*`.
@@ -135,14 +144,23 @@ pub fn parse_port_list(field: &str, text: &str) -> Result<BTreeSet<u16>, PolicyE
 }
 
 /// Parses a comma-separated CIDR list; `*` alone means everything. A bare address is a host route.
+/// More distinct CIDRs than one pod may put in `SIDESTEP_CIDRS` ([`MAX_POD_CIDR_RULES`]) is an
+/// error.
 pub fn parse_cidr_set(field: &str, text: &str) -> Result<CidrSet, PolicyError> {
     if text.trim() == "*" {
         return Ok(CidrSet::All);
     }
-    items(text)
-        .map(|c| parse_cidr(field, c))
-        .collect::<Result<Vec<_>, _>>()
-        .map(CidrSet::Only)
+    let mut nets = Vec::new();
+    // A repeated CIDR is one map entry.
+    let mut distinct = BTreeSet::new();
+    for item in items(text) {
+        let net = parse_cidr(field, item)?;
+        if distinct.insert(net) && distinct.len() > MAX_POD_CIDR_RULES {
+            return Err(budget::list_too_long(field, budget::Rules::Cidrs));
+        }
+        nets.push(net);
+    }
+    Ok(CidrSet::Only(nets))
 }
 
 /// The first dotted-quad octet written with a leading zero (`010`), if any. ipnet accepts such
@@ -439,7 +457,8 @@ impl Policy {
         }
     }
 
-    /// Checks what serde cannot: values that parse but make no sense together.
+    /// Checks what serde cannot: values that parse but make no sense together, and lists that
+    /// together take more than the pod's share of the node-wide rule maps.
     pub fn validate(&self) -> Result<(), PolicyError> {
         for (field, port) in [
             ("outboundPort", self.outbound_port),
@@ -463,6 +482,7 @@ impl Policy {
                 reason: "must differ from outboundPort".into(),
             });
         }
+        self.check_budget()?;
         Ok(())
     }
 
@@ -682,6 +702,7 @@ impl Policy {
 }
 
 pub mod ambient_selectors;
+mod budget;
 
 #[cfg(test)]
 mod tests;

@@ -225,3 +225,32 @@ fn peek_version_only_when_usable() {
     assert_eq!(peek_version(br#"{"cniVersion":"9"}"#), None);
     assert_eq!(peek_version(b"{"), None);
 }
+
+/// The config's policy writes the same shared maps as annotations: a list past one pod's
+/// budget, or lists past it together, are refused with code 7 naming the field and the limit.
+#[test]
+fn the_configs_policy_is_held_to_the_pods_map_budget() {
+    let ports = |from: u16, n: u16| -> String {
+        (from..from + n)
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let mut v = base("1.0.0");
+    v["policy"] = json!({"excludeOutboundPorts": ports(1, 508)});
+    parse(v.clone(), Command::Add).unwrap();
+    for policy in [
+        json!({"excludeOutboundPorts": ports(1, 509)}),
+        json!({"excludeOutboundPorts": ports(1, 300), "includeInboundPorts": ports(1, 300)}),
+        json!({"excludeOutboundPorts": ports(1, 30_000)}),
+    ] {
+        v["policy"] = policy;
+        let e = parse(v.clone(), Command::Add).unwrap_err();
+        let msg = e.to_string();
+        assert_eq!(e.to_cni().code, code::INVALID_CONFIG);
+        assert!(
+            msg.contains("policy") && msg.contains("512") && msg.contains("SIDESTEP_PORTS"),
+            "{msg}"
+        );
+    }
+}

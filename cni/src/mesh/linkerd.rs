@@ -3,11 +3,14 @@
 
 use std::collections::BTreeSet;
 
-use sidestep::policy::{CidrSet, Policy, PortSet};
+use sidestep::{
+    enroll::MAX_POD_PORT_RULES,
+    policy::{CidrSet, Policy, PortSet, too_many_ports},
+};
 
 use super::{
     AnnotationError, Decision, SkipReason, api_sidecar_rules, bad, cidr_set, enrol,
-    proxy_uid_override, single_port, union,
+    from_policy_error, proxy_uid_override, single_port, union,
 };
 use crate::pod::{PodInfo, PodSource};
 
@@ -27,10 +30,9 @@ pub const SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
 pub const SKIP_SUBNETS: &str = "config.linkerd.io/skip-subnets";
 pub const PROXY_UID_ANNOTATION: &str = "config.linkerd.io/proxy-uid";
 
-/// Expanded port ranges past this many ports per annotation would crowd the shared rule map.
-const MAX_RANGE_PORTS: usize = 1024;
-
-/// Linkerd's port lists allow ranges: `25,587,4000-4100`.
+/// Linkerd's port lists allow ranges: `25,587,4000-4100`. Each port of a range is an entry of
+/// the node-wide `SIDESTEP_PORTS`, so a list of more ports than one pod may put there
+/// ([`MAX_POD_PORT_RULES`]) is refused as soon as it passes that.
 pub fn port_ranges(key: &str, text: &str) -> Result<BTreeSet<u16>, AnnotationError> {
     let mut ports = BTreeSet::new();
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -46,12 +48,8 @@ pub fn port_ranges(key: &str, text: &str) -> Result<BTreeSet<u16>, AnnotationErr
                 ports.insert(single_port(key, item)?);
             }
         }
-        if ports.len() > MAX_RANGE_PORTS {
-            return Err(bad(
-                key,
-                text,
-                format!("more than {MAX_RANGE_PORTS} ports; skip a subnet instead"),
-            ));
+        if ports.len() > MAX_POD_PORT_RULES {
+            return Err(from_policy_error(key, text, too_many_ports(key)));
         }
     }
     Ok(ports)

@@ -10,7 +10,7 @@ use std::fmt;
 
 use sidestep::{
     error::PolicyError,
-    policy::{self, CidrSet, Policy, PortSet},
+    policy::{self, CidrSet, Policy, PortSet, RuleList},
 };
 
 use crate::{
@@ -106,9 +106,10 @@ pub enum PreDecision {
     ReadPod(Identity),
 }
 
-/// A pod field that does not parse. The message names the annotation and its value.
+/// A pod field that does not parse. The message names the annotation and its value (the start
+/// of it, when long: a list of thousands would make an error too big for the runtime's event).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid pod annotation {key}={value:?}: {reason}")]
+#[error("invalid pod annotation {key}={}: {reason}", shortened(value))]
 pub struct AnnotationError {
     pub key: String,
     pub value: String,
@@ -119,6 +120,16 @@ impl ToCniError for AnnotationError {
     fn to_cni(&self) -> CniError {
         CniError::new(code::BAD_ANNOTATION, self.to_string())
             .details("fix the pod's annotation (or the injected field) and recreate the pod")
+    }
+}
+
+/// Values up to this many characters are quoted whole in an error.
+const QUOTED_CHARS: usize = 120;
+
+fn shortened(value: &str) -> String {
+    match value.char_indices().nth(QUOTED_CHARS) {
+        None => format!("{value:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &value[..end], value.len()),
     }
 }
 
@@ -135,8 +146,66 @@ fn from_policy_error(key: &str, value: &str, e: PolicyError) -> AnnotationError 
         PolicyError::Port { value, .. } => format!("{value:?} is not a port (1-65535)"),
         PolicyError::Cidr { value, reason, .. } => format!("{value:?} is not a CIDR ({reason})"),
         PolicyError::Value { value, reason, .. } => format!("{value:?}: {reason}"),
+        PolicyError::TooLong {
+            what, limit, map, ..
+        } => format!(
+            "more than {limit} {what}, the most one pod's lists may put in {map}, which every \
+             pod of the node shares (docs/OPERATIONS.md, \"Per-pod map budgets\")"
+        ),
+        PolicyError::OverBudget(over) => over.to_string(),
     };
     bad(key, value, reason)
+}
+
+/// The annotation a mesh fills a policy list from; `None` for lists it has no annotation for.
+pub fn list_annotation(mesh: Mesh, list: RuleList) -> Option<&'static str> {
+    use RuleList::*;
+    match (mesh, list) {
+        (Mesh::Istio, IncludeInboundPorts) => Some(istio::INCLUDE_INBOUND_PORTS),
+        (Mesh::Istio, ExcludeInboundPorts) => Some(istio::EXCLUDE_INBOUND_PORTS),
+        (Mesh::Istio, IncludeOutboundPorts) => Some(istio::INCLUDE_OUTBOUND_PORTS),
+        (Mesh::Istio, ExcludeOutboundPorts) => Some(istio::EXCLUDE_OUTBOUND_PORTS),
+        (Mesh::Istio, IncludeOutboundIpRanges) => Some(istio::INCLUDE_OUTBOUND_IP_RANGES),
+        (Mesh::Istio, ExcludeOutboundIpRanges) => Some(istio::EXCLUDE_OUTBOUND_IP_RANGES),
+        (Mesh::Linkerd, ExcludeInboundPorts) => Some(linkerd::SKIP_INBOUND_PORTS),
+        (Mesh::Linkerd, ExcludeOutboundPorts) => Some(linkerd::SKIP_OUTBOUND_PORTS),
+        (Mesh::Linkerd, ExcludeOutboundIpRanges) => Some(linkerd::SKIP_SUBNETS),
+        (Mesh::Kuma, ExcludeInboundPorts) => Some(kuma::EXCLUDE_INBOUND_PORTS),
+        (Mesh::Kuma, ExcludeOutboundPorts) => Some(kuma::EXCLUDE_OUTBOUND_PORTS),
+        (Mesh::Kuma, ExcludeOutboundIpRanges) => Some(kuma::EXCLUDE_OUTBOUND_IPS),
+        _ => None,
+    }
+}
+
+/// The pod's lists together within its share of the node-wide rule maps (each list alone was
+/// held to it while parsing). The error names the largest list the pod sets by annotation, and
+/// every list with its count: the mesh's defaults write a few entries, so it is the pod's own.
+fn within_budget(mesh: Mesh, pod: &PodInfo, p: &Policy) -> Result<(), AnnotationError> {
+    let Err(over) = p.check_budget() else {
+        return Ok(());
+    };
+    let name = |list| list_annotation(mesh, list).unwrap_or(list.field());
+    let (key, value) = over
+        .lists
+        .iter()
+        .find_map(|(list, _)| {
+            let key = list_annotation(mesh, *list)?;
+            Some((key, pod.annotation(key)?))
+        })
+        .unwrap_or((name(over.lists[0].0), ""));
+    Err(bad(
+        key,
+        value,
+        format!(
+            "the pod's lists would put {} entries in {}, more than the {} one pod may hold in \
+             this map every pod of the node shares: {} (docs/OPERATIONS.md, \"Per-pod map \
+             budgets\")",
+            over.entries,
+            over.map,
+            over.limit,
+            over.listing(name)
+        ),
+    ))
 }
 
 /// An annotation's value, or `default` when the pod does not carry it.
@@ -261,6 +330,7 @@ pub fn decide_pod_with(
     }?;
     if let Decision::Enrol(e) = &mut decision {
         apply_sidestep_annotations(&mut e.policy, pod)?;
+        within_budget(mesh, pod, &e.policy)?;
     }
     Ok(decision)
 }

@@ -569,3 +569,5 @@ fn ambient_needs_the_api_and_skips_ztunnel() {
         &SkipReason::ZtunnelPod
     );
 }
+
+mod budget;
