@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use sidestep_tests::{
     ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv,
@@ -485,4 +485,39 @@ pub fn object_b(env: &TestEnv) -> Result<std::path::PathBuf> {
     );
     anyhow::ensure!(std::fs::read(&a)? != std::fs::read(&b)?);
     Ok(b)
+}
+
+/// The agent exits within a while, failing, with each of `want` in its log; /readyz never
+/// answers 200 meanwhile, and nothing is pinned at the test's pin root. Returns the log.
+pub fn refuses(env: &TestEnv, agent: &mut Agent, want: &[&str]) -> Result<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = agent.child.try_wait()? {
+            break st;
+        }
+        if let Ok((200, body)) = agent.get("/readyz") {
+            anyhow::bail!("the agent went ready:\n{body}\nlog:\n{}", agent.log());
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the agent still runs after 30s:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = agent.log();
+    ensure!(!status.success(), "exited {status}:\n{log}");
+    for w in want {
+        ensure!(log.contains(w), "no {w:?} in the agent's error:\n{log}");
+    }
+    ensure!(
+        agent.get("/readyz").is_err(),
+        "something answers /readyz after the agent exited"
+    );
+    ensure!(
+        !env.pin_root().exists(),
+        "the refusing agent pinned {}",
+        env.pin_root().display()
+    );
+    Ok(log)
 }

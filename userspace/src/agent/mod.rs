@@ -1,8 +1,9 @@
 //! `sidestep agent`: the DaemonSet process on every node.
 //!
 //! Start: resolve the settings (a bad one stops the agent naming it), check capabilities, mount
-//! bpffs if needed, load or adopt the programs (an existing pin root is upgraded in place through
-//! its links, atomically), install the plugin binary, write the plugin's kubeconfig, then serve
+//! bpffs if needed (only where the mount is the host's: [`mounts::check_mount_is_the_hosts`]),
+//! load or adopt the programs (an existing pin root is upgraded in place through its links,
+//! atomically), install the plugin binary, write the plugin's kubeconfig, then serve
 //! `/healthz`, `/readyz`, `/metrics` and keep three things true until SIGTERM:
 //! - the CNI configuration holds the sidestep entry (re-inserted within a second of another CNI
 //!   rewriting it: the conf directory is watched with inotify);
@@ -152,6 +153,8 @@ impl Agent {
             pin_root: settings.pin_root.clone(),
             pod_capacity: settings.pod_capacity,
             object,
+            // A bpffs of the container's own would take the pins with it when it stops.
+            bpffs_mount: mounts::BpffsMount::OnlyTheHosts,
         };
         // Without a pod map, any enrolment the records name is gone from the kernel; without the
         // listener map, any sk_lookup pod's proxy listener.
