@@ -7,7 +7,7 @@
 //! `/healthz`, `/readyz`, `/metrics` and keep three things true until SIGTERM:
 //! - the CNI configuration holds the sidestep entry (re-inserted within a second of another CNI
 //!   rewriting it: the conf directory is watched with inotify);
-//! - the kubeconfig follows the service account's token;
+//! - the plugin's kubeconfig follows the plugin's service account token (not the agent's own);
 //! - the data path matches the pods that run (see [`reconcile`]).
 //!
 //! SIGTERM (a restart or an upgrade) leaves programs, pins and CNI configuration in place, so
@@ -170,7 +170,7 @@ impl Agent {
             pin_root = %settings.pin_root.display(),
             "programs attached"
         );
-        let sa = ServiceAccount::from_env(&settings.service_account_dir)?;
+        let sa = ServiceAccount::plugins_from_env(&settings.cni_service_account_dir)?;
         let kubeconfig = if sa.is_some() {
             settings
                 .host_cni_conf_dir
@@ -245,12 +245,15 @@ impl Agent {
         Ok(())
     }
 
-    /// Rewrites the kubeconfig when the token (or CA) changed.
+    /// Rewrites the plugin's kubeconfig when its token (or CA) changed. It carries the plugin's
+    /// own token (sidestep-cni: get on pods and namespaces), never the agent's, whose verbs
+    /// depend on the repair mode: the file lies on the node, where every CNI plugin can read it.
     pub fn refresh_kubeconfig(&self) -> anyhow::Result<()> {
         if !self.service_account {
             return Ok(());
         }
-        let Some(sa) = ServiceAccount::from_env(&self.settings.service_account_dir)? else {
+        let Some(sa) = ServiceAccount::plugins_from_env(&self.settings.cni_service_account_dir)?
+        else {
             return Ok(());
         };
         let path = self.settings.kubeconfig_path();
