@@ -16,6 +16,31 @@ use crate::sweep;
 /// Where bpffs is (or will be) mounted; pin roots of tests live right below it.
 pub const BPFFS: &str = "/sys/fs/bpf";
 
+/// Mounts bpffs at [`BPFFS`] unless it is there, as a node's boot does (systemd's
+/// sys-fs-bpf.mount). For tests whose agent runs in a mount namespace of its own: it mounts bpffs
+/// only where the mount is the host's, and its pins must be where the test looks.
+pub fn ensure_host_bpffs() -> Result<()> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    let is_bpffs =
+        || nix::sys::statfs::statfs(BPFFS).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC);
+    if !is_bpffs() {
+        let mounted = nix::mount::mount(
+            Some("bpffs"),
+            BPFFS,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            Some("mode=0700"),
+        );
+        // A failure counts only when no bpffs is there: another test may have mounted it.
+        if let Err(e) = mounted
+            && !is_bpffs()
+        {
+            bail!("mount -t bpf bpffs {BPFFS}: {e}");
+        }
+    }
+    Ok(())
+}
+
 /// Set this variable to keep scratch directories (configs, process logs) after the test.
 pub const KEEP_ENV: &str = "SIDESTEP_TEST_KEEP";
 

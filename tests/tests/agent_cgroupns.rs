@@ -19,7 +19,7 @@ mod agent_support;
 
 use std::{path::Path, time::Duration};
 
-use agent_support::{Agent, Dirs, base_args, free_port};
+use agent_support::{Agent, Dirs, base_args, free_port, refuses};
 use anyhow::{Context as _, Result, ensure};
 use sidestep_tests::{TestEnv, cgroup::cgroup2_mount, skip_unless_root};
 
@@ -55,46 +55,15 @@ fn without_cgroup(args: &[String]) -> Vec<String> {
     out
 }
 
-/// The agent exits within a while, failing, and /readyz never answers 200 meanwhile.
-fn refuses(env: &TestEnv, agent: &mut Agent, want: &[&str]) -> Result<String> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(st) = agent.child.try_wait()? {
-            break st;
-        }
-        if let Ok((200, body)) = agent.get("/readyz") {
-            anyhow::bail!("the agent went ready:\n{body}\nlog:\n{}", agent.log());
-        }
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "the agent still runs after 30s:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let log = agent.log();
-    ensure!(!status.success(), "exited {status}:\n{log}");
-    for w in want {
-        ensure!(log.contains(w), "no {w:?} in the agent's error:\n{log}");
-    }
-    ensure!(
-        agent.get("/readyz").is_err(),
-        "something answers /readyz after the agent exited"
-    );
-    ensure!(
-        !env.pin_root().exists(),
-        "the refusing agent pinned {}",
-        env.pin_root().display()
-    );
-    Ok(log)
-}
-
 #[test]
 fn agent_refuses_a_cgroup_that_is_not_the_nodes_root() -> Result<()> {
     if skip_unless_root("agent_refuses_a_cgroup_that_is_not_the_nodes_root") {
         return Ok(());
     }
     let env = TestEnv::new("agent-cgroupns")?;
+    // The agent's private mount namespace would see no bpffs of the host's, and refuse to mount
+    // its own.
+    sidestep_tests::env::ensure_host_bpffs()?;
     let d = Dirs::new(&env)?;
     d.write_primary("10-test.conflist")?;
     let mount = cgroup2_mount()?;

@@ -1,7 +1,8 @@
 //! The agent's CNI side, with the real binary: a lone .conf wrapped into a .conflist with its
-//! mode, the plugin installed, the kubeconfig written 0600 and rewritten on token rotation,
-//! /readyz following the configuration, another CNI's rewrites repaired within a second and
-//! exactly once, SIGTERM leaving everything in place, and a bad setting named. Needs root.
+//! mode, the plugin installed, the kubeconfig written 0600 from the plugin's own token (never
+//! the agent's) and rewritten on its rotation, /readyz following the configuration, another
+//! CNI's rewrites repaired within a second and exactly once, SIGTERM leaving everything in
+//! place, and a bad setting named. Needs root.
 
 mod agent_support;
 
@@ -76,20 +77,29 @@ fn agent_keeps_the_cni_configuration() -> Result<()> {
     ensure!(fs::read(&installed)? == fs::read(cni_bin())?);
     ensure!(mode(&installed) == 0o755);
 
-    // The kubeconfig: 0600, from the service account, rewritten when the token rotates (kubelet
-    // swaps the file by rename).
+    // The kubeconfig: 0600, from the plugin's own service account token (sidestep-cni: get on
+    // pods and namespaces), never the agent's, whose rights go further; rewritten when the
+    // plugin's token changes (kubelet swaps the file by rename).
     let kc = d.kubeconfig();
     let text = fs::read_to_string(&kc)?;
     ensure!(mode(&kc) == 0o600, "kubeconfig mode {:o}", mode(&kc));
     ensure!(
-        text.contains("token: \"token-1\"") && text.contains("https://127.0.0.1:6443"),
+        text.contains("token: \"cni-token-1\"") && text.contains("https://127.0.0.1:6443"),
         "{text}"
     );
-    fs::write(d.sa.join(".token.new"), "token-2")?;
-    fs::rename(d.sa.join(".token.new"), d.sa.join("token"))?;
+    ensure!(
+        !text.contains("agent-token"),
+        "the plugin's kubeconfig carries the agent's token:\n{text}"
+    );
+    fs::write(d.cni_sa.join(".token.new"), "cni-token-2")?;
+    fs::rename(d.cni_sa.join(".token.new"), d.cni_sa.join("token"))?;
     wait_until("the rotated token", Duration::from_secs(3), || {
-        Ok(fs::read_to_string(&kc)?.contains("token: \"token-2\""))
+        Ok(fs::read_to_string(&kc)?.contains("token: \"cni-token-2\""))
     })?;
+    // The agent's own token rotating changes nothing on the node.
+    fs::write(d.sa.join("token"), "agent-token-2")?;
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(!fs::read_to_string(&kc)?.contains("agent-token"));
 
     // Another CNI rewrites its file without our entry, by rename and in place: the entry is
     // back within a second, once, with one write each time.

@@ -1,6 +1,10 @@
 //! deploy/: every manifest passes yamllint and kubernetes-validate (strict: an unknown field is
 //! an error) for the oldest and a current supported Kubernetes; the kustomization lists them all;
-//! the DaemonSet, ConfigMap and ClusterRole agree with the agent. The tools come from PyPI into a
+//! the DaemonSet, ConfigMap and ClusterRoles agree with the agent. The plugin has an identity of
+//! its own with get on pods and namespaces only, and its token is what the agent gets for the
+//! plugin's kubeconfig; the agent's base role has no verb that changes a pod or a node, and each
+//! component under deploy/components/ (rendered with `kubectl kustomize`) sets its mode and adds
+//! exactly the verbs that mode uses. The tools come from PyPI into a
 //! venv under the target directory; the test skips, saying so, only when PyPI cannot be reached.
 //! Needs no root.
 
@@ -10,7 +14,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 const TOOLS: [&str; 2] = ["kubernetes-validate==1.37.0", "yamllint==1.38.0"];
 /// appArmorProfile (securityContext) exists from 1.30 on.
@@ -35,6 +39,9 @@ fn text(o: &Output) -> String {
 
 /// The venv's bin directory, with the tools installed; `None` when PyPI is unreachable.
 fn tools() -> Result<Option<PathBuf>> {
+    // The tests of this file run in parallel: one installs, the others wait for it.
+    static INSTALLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _installing = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("manifest-venv");
     let bin = venv.join("bin");
     let have = |t: &str| {
@@ -226,24 +233,274 @@ fn deploy_manifests_are_valid() -> Result<()> {
         "preStop"
     );
 
-    let role = &load(&bin, &dir.join("clusterrole.yaml"))?[0];
-    // Exactly what the code uses: pods read and watched, patched and deleted by repair's label
-    // and delete modes; events created; nodes read and patched (the readiness taint); in ambient
-    // mode, namespaces read and watched and the pods' status patched (the redirection
-    // annotation).
-    ensure!(
-        role["rules"]
-            == serde_json::json!([
-                {"apiGroups": [""], "resources": ["pods"],
-                 "verbs": ["get", "list", "watch", "patch", "delete"]},
-                {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+    identities(&bin, &dir, data, pod)?;
+    Ok(())
+}
+
+/// The document of `file` with this kind and name.
+fn object(bin: &Path, file: &Path, kind: &str, name: &str) -> Result<Value> {
+    load(bin, file)?
+        .into_iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .with_context(|| format!("no {kind} {name} in {}", file.display()))
+}
+
+/// The agent's rights in the default modes: reading the node's pods and recording Events.
+fn agent_base_rules() -> Value {
+    json!([
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ])
+}
+
+/// The plugin's rights: its ADD reads its pod and the pod's namespace.
+fn plugin_rules() -> Value {
+    json!([{"apiGroups": [""], "resources": ["pods", "namespaces"], "verbs": ["get"]}])
+}
+
+/// Each component: the ConfigMap key and value it sets, and the rules it adds to the agent's.
+fn components() -> Vec<(&'static str, (&'static str, &'static str), Value)> {
+    vec![
+        (
+            "repair-delete",
+            ("repair-mode", "delete"),
+            json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]}]),
+        ),
+        (
+            "repair-label",
+            ("repair-mode", "label"),
+            json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]),
+        ),
+        (
+            "readiness-taint",
+            ("readiness-taint", "true"),
+            json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]),
+        ),
+        (
+            "ambient",
+            ("ambient", "true"),
+            json!([
                 {"apiGroups": [""], "resources": ["namespaces"],
                  "verbs": ["get", "list", "watch"]},
                 {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
             ]),
-        "{}",
-        role["rules"]
+        ),
+    ]
+}
+
+/// Whether any rule grants a verb that changes pods or nodes.
+fn changes_pods_or_nodes(rules: &Value) -> bool {
+    rules.as_array().into_iter().flatten().any(|r| {
+        let has = |k: &str, v: &str| r[k].as_array().is_some_and(|a| a.iter().any(|x| x == v));
+        ["pods", "pods/status", "nodes", "*"]
+            .iter()
+            .any(|res| has("resources", res))
+            && [
+                "patch",
+                "update",
+                "delete",
+                "deletecollection",
+                "create",
+                "*",
+            ]
+            .iter()
+            .any(|verb| has("verbs", verb))
+    })
+}
+
+/// The two identities: the agent's (base rules only) and the plugin's (get on pods and
+/// namespaces), each bound to its own service account, and the plugin's token mounted where the
+/// agent reads it for the plugin's kubeconfig.
+fn identities(
+    bin: &Path,
+    dir: &Path,
+    data: &serde_json::Map<String, Value>,
+    pod: &Value,
+) -> Result<()> {
+    let roles = dir.join("clusterrole.yaml");
+    let agent = object(bin, &roles, "ClusterRole", "sidestep-agent")?;
+    ensure!(
+        agent["rules"] == agent_base_rules(),
+        "the agent's base role: {}",
+        agent["rules"]
     );
+    ensure!(
+        !changes_pods_or_nodes(&agent["rules"]),
+        "the agent's base role changes pods or nodes: {}",
+        agent["rules"]
+    );
+    let plugin = object(bin, &roles, "ClusterRole", "sidestep-cni")?;
+    ensure!(
+        plugin["rules"] == plugin_rules(),
+        "the plugin's role: {}",
+        plugin["rules"]
+    );
+    let bindings = dir.join("clusterrolebinding.yaml");
+    for name in ["sidestep-agent", "sidestep-cni"] {
+        let b = object(bin, &bindings, "ClusterRoleBinding", name)?;
+        ensure!(
+            b["roleRef"]["name"] == name
+                && b["subjects"]
+                    == json!([{"kind": "ServiceAccount", "name": name,
+                               "namespace": "sidestep-system"}]),
+            "binding {name}: {b}"
+        );
+    }
+    let accounts = dir.join("serviceaccount.yaml");
+    object(bin, &accounts, "ServiceAccount", "sidestep-agent")?;
+    object(bin, &accounts, "ServiceAccount", "sidestep-cni")?;
+    let secret = object(bin, &accounts, "Secret", "sidestep-cni-token")?;
+    ensure!(
+        secret["type"] == "kubernetes.io/service-account-token"
+            && secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+                == "sidestep-cni",
+        "the plugin's token Secret: {secret}"
+    );
+    ensure!(pod["serviceAccountName"] == "sidestep-agent");
+    // The agent reads the plugin's token where the DaemonSet mounts that Secret.
+    let volume = pod["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["secret"]["secretName"] == "sidestep-cni-token")
+        .context("no volume of the sidestep-cni-token Secret")?;
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["name"] == volume["name"])
+        .context("the sidestep-cni-token volume is not mounted")?;
+    ensure!(
+        data.get("cni-service-account-dir") == Some(&mount["mountPath"]),
+        "cni-service-account-dir {:?}, the Secret is at {}",
+        data.get("cni-service-account-dir"),
+        mount["mountPath"]
+    );
+    Ok(())
+}
+
+/// `kubectl kustomize` of an overlay of deploy/ with `components`, written to a file under the
+/// target directory; `None` without kubectl.
+fn render(components: &[&str]) -> Result<Option<PathBuf>> {
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let overlay = tempfile::Builder::new()
+        .prefix("kustomize-")
+        .tempdir_in(tmp)?;
+    // kustomize takes no absolute path to a base: climb from the overlay to /.
+    let up = "../".repeat(overlay.path().components().count() - 1);
+    let rel = |p: &Path| format!("{up}{}", p.display().to_string().trim_start_matches('/'));
+    let deploy = deploy_dir().canonicalize()?;
+    let listed: String = components
+        .iter()
+        .map(|c| format!("  - {}\n", rel(&deploy.join("components").join(c))))
+        .collect();
+    let kustomization = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources:\n  - {}\ncomponents:\n{listed}",
+        rel(&deploy)
+    );
+    std::fs::write(overlay.path().join("kustomization.yaml"), kustomization)?;
+    let o = match Command::new("kubectl")
+        .arg("kustomize")
+        .arg(overlay.path())
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    ensure!(
+        o.status.success(),
+        "kubectl kustomize with {components:?}: {}",
+        text(&o)
+    );
+    let name = if components.is_empty() {
+        "base".to_owned()
+    } else {
+        components.join("+")
+    };
+    let out = tmp.join(format!("rendered-{name}.yaml"));
+    std::fs::write(&out, &o.stdout)?;
+    Ok(Some(out))
+}
+
+#[test]
+fn deploy_components_grant_exactly_what_their_mode_uses() -> Result<()> {
+    let Some(bin) = tools()? else { return Ok(()) };
+    let dir = deploy_dir();
+    // Every component is in the table below, and nothing else is under deploy/components.
+    let mut found: Vec<String> = std::fs::read_dir(dir.join("components"))
+        .context("deploy/components")?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    let mut known: Vec<&str> = components().iter().map(|c| c.0).collect();
+    known.sort_unstable();
+    ensure!(
+        found == known,
+        "deploy/components has {found:?}, the test knows {known:?}"
+    );
+
+    let rendered = |names: &[&str]| -> Result<Option<(PathBuf, Vec<Value>)>> {
+        let Some(path) = render(names)? else {
+            return Ok(None);
+        };
+        let docs = load(&bin, &path)?;
+        Ok(Some((path, docs)))
+    };
+    let find = |docs: &[Value], kind: &str, name: &str| -> Result<Value> {
+        docs.iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .cloned()
+            .with_context(|| format!("no {kind} {name} rendered"))
+    };
+    let Some((_, base)) = rendered(&[])? else {
+        eprintln!("skipping the components: no kubectl to render them with");
+        return Ok(());
+    };
+    let base_data = find(&base, "ConfigMap", "sidestep-config")?["data"].clone();
+    ensure!(base_data["repair-mode"] == "repair");
+    ensure!(find(&base, "ClusterRole", "sidestep-agent")?["rules"] == agent_base_rules());
+
+    for (name, (key, value), added) in components() {
+        let (path, docs) = rendered(&[name])?.context("kubectl went away")?;
+        for k in KUBERNETES {
+            let o = validate(&bin, k, std::slice::from_ref(&path))?;
+            ensure!(
+                o.status.success(),
+                "kubernetes-validate {k} of deploy/ with {name}:\n{}",
+                text(&o)
+            );
+        }
+        let data = &find(&docs, "ConfigMap", "sidestep-config")?["data"];
+        ensure!(data[key] == value, "{name}: {key} is {}", data[key]);
+        // Nothing else in the ConfigMap changes.
+        let mut rest = data.clone();
+        rest[key] = base_data[key].clone();
+        ensure!(
+            rest == base_data,
+            "{name} changes more of the ConfigMap than {key}"
+        );
+        let mut want = agent_base_rules();
+        want.as_array_mut()
+            .context("rules")?
+            .extend(added.as_array().cloned().unwrap_or_default());
+        let rules = &find(&docs, "ClusterRole", "sidestep-agent")?["rules"];
+        ensure!(
+            *rules == want,
+            "{name}: the agent's rules are {rules}, want {want}"
+        );
+        // The plugin's rights are the same whatever the agent's mode.
+        ensure!(
+            find(&docs, "ClusterRole", "sidestep-cni")?["rules"] == plugin_rules(),
+            "{name} changes the plugin's role"
+        );
+        eprintln!("{name}: {key}={value}, adds {added}");
+    }
+    // The repair modes' verbs stay apart: without a component, no pod is deleted or labelled.
+    ensure!(!changes_pods_or_nodes(
+        &find(&base, "ClusterRole", "sidestep-agent")?["rules"]
+    ));
     Ok(())
 }

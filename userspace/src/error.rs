@@ -44,6 +44,22 @@ pub enum MountError {
     Bpffs(String),
     #[error("the pin root {0} is not on a bpffs mount; choose a path under /sys/fs/bpf")]
     PinRootNotBpffs(PathBuf),
+    #[error(
+        "no bpffs is mounted at {path}, and a bpffs the agent mounted there would be its \
+         container's alone: this is not the host's mount namespace, and the mount {path} lies on \
+         ({mount_point}) is {propagation}, so the mount would not reach the host. Its pins, and \
+         with them every pod's capture, would go when the container stops. Mount bpffs on the \
+         host (`mount -t bpf bpffs /sys/fs/bpf`; systemd's sys-fs-bpf.mount does it at boot), or \
+         let the DaemonSet mount it for the host: the /sys/fs/bpf hostPath volume mounted with \
+         `mountPropagation: Bidirectional` (Kubernetes allows that only in a privileged \
+         container, e.g. an init container running `mount -t bpf bpffs /sys/fs/bpf`; see \
+         deploy/README.md)"
+    )]
+    PrivateBpffs {
+        path: PathBuf,
+        mount_point: PathBuf,
+        propagation: &'static str,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

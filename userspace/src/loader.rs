@@ -132,6 +132,8 @@ pub struct LoadOptions {
     pub pod_capacity: Option<u32>,
     /// The object to load; the embedded one by default.
     pub object: Option<Vec<u8>>,
+    /// Whether bpffs may be mounted where none is, and where.
+    pub bpffs_mount: mounts::BpffsMount,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,7 +179,7 @@ fn load_program(program: &mut Program, name: &'static str) -> Result<(), LoadErr
 /// Loads and attaches everything at `opts.cgroup`, pinned under `opts.pin_root`.
 pub fn load(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
     require_root()?;
-    mounts::ensure_bpffs(&opts.pin_root)?;
+    mounts::ensure_bpffs(&opts.pin_root, opts.bpffs_mount)?;
     mounts::check_cgroup2_dir(&opts.cgroup)?;
     let layout = PinLayout::new(&opts.pin_root);
     // Anything pinned (also by a load killed half-way) is adopted: reused, updated, never wiped.
@@ -196,7 +198,7 @@ pub fn load(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
 /// none.
 pub fn reload(opts: &LoadOptions) -> Result<LoadOutcome, LoadError> {
     require_root()?;
-    mounts::ensure_bpffs(&opts.pin_root)?;
+    mounts::ensure_bpffs(&opts.pin_root, opts.bpffs_mount)?;
     mounts::check_cgroup2_dir(&opts.cgroup)?;
     load_inner(opts, &PinLayout::new(&opts.pin_root), true)
 }

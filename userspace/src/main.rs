@@ -288,6 +288,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 pin_root: pin_root.clone(),
                 pod_capacity,
                 object,
+                bpffs_mount: sidestep::mounts::BpffsMount::Anywhere,
             })?;
             println!(
                 "sidestep {}: attached at {}, pinned under {}",

@@ -23,6 +23,11 @@ pub struct Mount {
     pub root: String,
     pub mount_point: PathBuf,
     pub fs_type: String,
+    /// Its propagation is shared (optional field `shared:N`): a mount made on it reaches every
+    /// peer of group N, in whichever mount namespace that peer is.
+    pub shared: bool,
+    /// It is a slave (optional field `master:N`): it receives its master's mounts, sends none.
+    pub slave: bool,
 }
 
 /// Parses mountinfo text. The paths' octal escapes (`\040` for space) are decoded.
@@ -31,12 +36,15 @@ pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
         .filter_map(|line| {
             let fields: Vec<&str> = line.split(' ').collect();
             let sep = fields.iter().position(|f| *f == "-")?;
+            let optional = fields.get(6..sep).unwrap_or_default();
             Some(Mount {
                 id: fields.first()?.parse().ok()?,
                 parent: fields.get(1)?.parse().ok()?,
                 root: unescape(fields.get(3)?),
                 mount_point: PathBuf::from(unescape(fields.get(4)?)),
                 fs_type: fields.get(sep + 1)?.to_string(),
+                shared: optional.iter().any(|f| f.starts_with("shared:")),
+                slave: optional.iter().any(|f| f.starts_with("master:")),
             })
         })
         .collect()
@@ -131,14 +139,35 @@ pub fn check_cgroup2_dir(dir: &Path) -> Result<(), MountError> {
     Ok(())
 }
 
+/// The inode of the initial PID namespace: `PROC_PID_INIT_INO` in include/linux/proc_ns.h, fixed
+/// since Linux 3.8.
+pub const INIT_PID_NS_INO: u64 = 0xEFFF_FFFC;
+
+/// Where bpffs is mounted when nothing is: the pin roots' usual parent.
+pub const BPFFS: &str = "/sys/fs/bpf";
+
+/// Whether the loader may mount bpffs itself where none is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BpffsMount {
+    /// Wherever none is: `sidestep load` and the tests run on a host, where a mount is the
+    /// host's (a fresh machine has no bpffs, and the loader mounts it as Cilium and bpftool do).
+    Anywhere,
+    /// Only where the mount is the host's and so outlives the process ([`check_mount_is_the_hosts`]):
+    /// the agent, which runs in a container.
+    OnlyTheHosts,
+}
+
 /// Makes sure the pin root's parent lives on bpffs, mounting bpffs at /sys/fs/bpf when nothing is
-/// mounted there (as Cilium and bpftool do).
-pub fn ensure_bpffs(pin_root: &Path) -> Result<(), MountError> {
-    let bpffs = Path::new("/sys/fs/bpf");
+/// mounted there and `policy` allows it.
+pub fn ensure_bpffs(pin_root: &Path, policy: BpffsMount) -> Result<(), MountError> {
+    let bpffs = Path::new(BPFFS);
     if !is_bpffs(pin_root.parent().unwrap_or(bpffs))
         && pin_root.starts_with(bpffs)
         && !is_bpffs(bpffs)
     {
+        if policy == BpffsMount::OnlyTheHosts {
+            check_mount_is_the_hosts(bpffs)?;
+        }
         fs::create_dir_all(bpffs).map_err(|e| MountError::Bpffs(e.to_string()))?;
         nix::mount::mount(
             Some("bpffs"),
@@ -155,6 +184,57 @@ pub fn ensure_bpffs(pin_root: &Path) -> Result<(), MountError> {
         return Err(MountError::PinRootNotBpffs(pin_root.to_path_buf()));
     }
     Ok(())
+}
+
+/// Refuses to mount at `target` unless the mount would be the host's.
+///
+/// Every pin lives in the bpffs that holds the pin root. A bpffs that only the agent's own mount
+/// namespace sees goes away with the container: once its last process exits, the namespace, the
+/// mount and its pins are gone, every pinned link detaches, and every pod runs uncaptured until
+/// a new agent loads into empty maps. A mount at `target` is the host's when:
+/// 1. the process is in the host's mount namespace: its PID namespace is the initial one (whose
+///    inode is fixed) and PID 1, then the host's init, shares its mount namespace. In a container
+///    without hostPID, PID 1 is the container's own first process, which proves nothing, so
+/// 2. otherwise the mount `target` lies on must be shared (`shared:N` in mountinfo): a mount on
+///    it propagates to its peers, the host's /sys/fs/bpf among them when the DaemonSet mounts the
+///    hostPath with `mountPropagation: Bidirectional`. `HostToContainer` makes it a slave, which
+///    receives the host's mounts and sends none; `None` makes it private.
+pub fn check_mount_is_the_hosts(target: &Path) -> Result<(), MountError> {
+    if in_host_mount_namespace() {
+        return Ok(());
+    }
+    check_mount_propagates(&mounts()?, target)
+}
+
+fn in_host_mount_namespace() -> bool {
+    let ino = |p: &str| fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    ino("/proc/self/ns/pid").is_some_and(|(_, i)| i == INIT_PID_NS_INO)
+        && ino("/proc/self/ns/mnt").is_some()
+        && ino("/proc/self/ns/mnt") == ino("/proc/1/ns/mnt")
+}
+
+/// Rule 2 of [`check_mount_is_the_hosts`], on mountinfo already read.
+pub fn check_mount_propagates(mounts: &[Mount], target: &Path) -> Result<(), MountError> {
+    let covered = |m: &Mount| {
+        mounts
+            .iter()
+            .any(|n| n.parent == m.id && n.mount_point == m.mount_point)
+    };
+    let under = mounts
+        .iter()
+        .filter(|m| target.starts_with(&m.mount_point) && !covered(m))
+        .max_by_key(|m| m.mount_point.components().count());
+    let propagation = match under {
+        Some(m) if m.shared => return Ok(()),
+        Some(m) if m.slave => "slave, as with mountPropagation: HostToContainer",
+        Some(_) => "private, as with mountPropagation: None",
+        None => "not in this mount namespace's mountinfo",
+    };
+    Err(MountError::PrivateBpffs {
+        path: target.to_path_buf(),
+        mount_point: under.map(|m| m.mount_point.clone()).unwrap_or_default(),
+        propagation,
+    })
 }
 
 pub fn is_bpffs(path: &Path) -> bool {
@@ -234,6 +314,62 @@ mod tests {
             node_cgroup2_root_in(&parse_mountinfo(""), INIT_CGROUP_NS_INO),
             Err(MountError::NoCgroup2)
         ));
+    }
+
+    /// A container's view of the DaemonSet's /sys/fs/bpf hostPath, on a host without bpffs.
+    fn container_view(propagation: &str) -> Vec<Mount> {
+        parse_mountinfo(&format!(
+            "\
+600 550 0:90 / / rw - overlay overlay rw
+601 600 0:23 / /sys rw,nosuid - sysfs sysfs rw
+602 601 0:23 /fs/bpf /sys/fs/bpf rw,relatime {propagation} - sysfs sysfs rw"
+        ))
+    }
+
+    #[test]
+    fn bpffs_mounts_only_where_they_reach_the_host() {
+        let bpffs = Path::new(BPFFS);
+        // mountPropagation: Bidirectional: the host's /sys/fs/bpf is a peer.
+        check_mount_propagates(&container_view("shared:7"), bpffs).unwrap();
+        for (propagation, says) in [
+            (
+                "master:7",
+                "slave, as with mountPropagation: HostToContainer",
+            ),
+            ("", "private, as with mountPropagation: None"),
+        ] {
+            let e = check_mount_propagates(&container_view(propagation), bpffs).unwrap_err();
+            match &e {
+                MountError::PrivateBpffs {
+                    mount_point,
+                    propagation,
+                    ..
+                } => {
+                    assert_eq!(mount_point, Path::new("/sys/fs/bpf"));
+                    assert_eq!(*propagation, says);
+                }
+                other => panic!("{other:?}"),
+            }
+            let text = e.to_string();
+            for fix in [
+                "mountPropagation: Bidirectional",
+                "mount -t bpf bpffs /sys/fs/bpf",
+            ] {
+                assert!(text.contains(fix), "{text}");
+            }
+        }
+        // No mount of its own at /sys/fs/bpf: the one below it (/sys) decides.
+        let no_hostpath: Vec<Mount> = container_view("shared:7")
+            .into_iter()
+            .filter(|m| m.id != 602)
+            .collect();
+        assert!(check_mount_propagates(&no_hostpath, bpffs).is_err());
+        // A private tmpfs over the shared hostPath hides it.
+        let mut covered = container_view("shared:7");
+        covered.extend(parse_mountinfo(
+            "603 602 0:91 / /sys/fs/bpf rw - tmpfs none rw",
+        ));
+        assert!(check_mount_propagates(&covered, bpffs).is_err());
     }
 
     #[test]

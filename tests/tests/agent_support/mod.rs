@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use sidestep_tests::{
     ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv,
@@ -29,7 +29,11 @@ pub struct Dirs {
     pub bin: PathBuf,
     pub conf: PathBuf,
     pub state: PathBuf,
+    /// The agent's own service account (its token: `agent-token-1`).
     pub sa: PathBuf,
+    /// The plugin's service account token Secret (`cni-token-1`), which the plugin's kubeconfig
+    /// carries.
+    pub cni_sa: PathBuf,
     /// Searched after `bin` by the test's runtime: the plugin answers DEL after uninstall.
     pub fallback_bin: PathBuf,
 }
@@ -42,14 +46,18 @@ impl Dirs {
             conf: t.join("net.d"),
             state: t.join("cni-state"),
             sa: t.join("serviceaccount"),
+            cni_sa: t.join("sidestep-cni"),
             fallback_bin: t.join("cni-fallback"),
         };
-        for p in [&d.bin, &d.conf, &d.sa, &d.fallback_bin] {
+        for p in [&d.bin, &d.conf, &d.sa, &d.cni_sa, &d.fallback_bin] {
             std::fs::create_dir_all(p)?;
         }
         std::os::unix::fs::symlink(cni_bin(), d.fallback_bin.join("sidestep"))?;
-        std::fs::write(d.sa.join("token"), "token-1")?;
-        std::fs::write(d.sa.join("ca.crt"), "-----BEGIN CERTIFICATE-----\nfake\n")?;
+        std::fs::write(d.sa.join("token"), "agent-token-1")?;
+        std::fs::write(d.cni_sa.join("token"), "cni-token-1")?;
+        for sa in [&d.sa, &d.cni_sa] {
+            std::fs::write(sa.join("ca.crt"), "-----BEGIN CERTIFICATE-----\nfake\n")?;
+        }
         Ok(d)
     }
 
@@ -182,6 +190,8 @@ pub fn base_args(env: &TestEnv, d: &Dirs, port: u16) -> Vec<String> {
         s(&d.state),
         "--service-account-dir".into(),
         s(&d.sa),
+        "--cni-service-account-dir".into(),
+        s(&d.cni_sa),
         "--pin-root".into(),
         s(env.pin_root()),
         "--cgroup".into(),
@@ -485,4 +495,39 @@ pub fn object_b(env: &TestEnv) -> Result<std::path::PathBuf> {
     );
     anyhow::ensure!(std::fs::read(&a)? != std::fs::read(&b)?);
     Ok(b)
+}
+
+/// The agent exits within a while, failing, with each of `want` in its log; /readyz never
+/// answers 200 meanwhile, and nothing is pinned at the test's pin root. Returns the log.
+pub fn refuses(env: &TestEnv, agent: &mut Agent, want: &[&str]) -> Result<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = agent.child.try_wait()? {
+            break st;
+        }
+        if let Ok((200, body)) = agent.get("/readyz") {
+            anyhow::bail!("the agent went ready:\n{body}\nlog:\n{}", agent.log());
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the agent still runs after 30s:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = agent.log();
+    ensure!(!status.success(), "exited {status}:\n{log}");
+    for w in want {
+        ensure!(log.contains(w), "no {w:?} in the agent's error:\n{log}");
+    }
+    ensure!(
+        agent.get("/readyz").is_err(),
+        "something answers /readyz after the agent exited"
+    );
+    ensure!(
+        !env.pin_root().exists(),
+        "the refusing agent pinned {}",
+        env.pin_root().display()
+    );
+    Ok(log)
 }

@@ -128,7 +128,7 @@ impl Ambient {
         // Read first: a pass that started before the watch listed the pods cannot open ZDS.
         let synced = agent.pod_watch.synced();
         let records = ambient_records(&agent.settings.state_dir, &agent.settings.proc_dir);
-        let kubeconfig = repair::api_kubeconfig(&agent.settings);
+        let api = repair::api_access(&agent.settings);
         let mut wanted: BTreeMap<String, (Workload, u64)> = BTreeMap::new();
         // Pods with an ADD under way: ztunnel may hold them, and they are coming back.
         let mut held = BTreeSet::new();
@@ -154,7 +154,7 @@ impl Ambient {
                 recorded: &r,
                 pod: &pod,
                 uid: &uid,
-                kubeconfig: kubeconfig.as_deref(),
+                api: api.as_ref(),
             };
             if self.take_out_if_unselected(agent, &check, &mut confirms) {
                 taken_out.insert(uid);
@@ -190,8 +190,8 @@ impl Ambient {
             self.handed().remove(uid);
         }
         self.forget_rechecks_except(&seen);
-        if let Some(kc) = &kubeconfig {
-            self.remove_annotations(kc);
+        if let Some(api) = &api {
+            self.remove_annotations(api);
         }
         let now = Instant::now();
         for (uid, (w, cookie)) in wanted {
@@ -224,14 +224,14 @@ impl Ambient {
             };
             let mut annotated = before.as_ref().and_then(|h| h.annotated);
             if annotated != Some(state)
-                && let Some(kc) = &kubeconfig
+                && let Some(api) = &api
             {
                 let pod = repair::NodePod {
                     namespace: w.namespace.clone(),
                     name: w.name.clone(),
                     uid: uid.clone(),
                 };
-                match super::podapi::annotate_status(kc, &pod, REDIRECTION_ANNOTATION, state) {
+                match super::podapi::annotate_status(api, &pod, REDIRECTION_ANNOTATION, state) {
                     Ok(()) => annotated = Some(state),
                     Err(e) => tracing::warn!(pod = %who, error = %e, "ambient: annotating the pod"),
                 }

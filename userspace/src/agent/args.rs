@@ -47,9 +47,15 @@ pub struct AgentArgs {
     /// Its mode, octal [default: 0600].
     #[arg(long, env = "SIDESTEP_KUBECONFIG_MODE")]
     pub kubeconfig_mode: Option<String>,
-    /// Where the pod's service account is mounted.
+    /// Where the agent's own service account is mounted: its API requests carry that token
+    /// [default: /var/run/secrets/kubernetes.io/serviceaccount].
     #[arg(long, env = "SIDESTEP_SERVICE_ACCOUNT_DIR")]
     pub service_account_dir: Option<String>,
+    /// Where the plugin's service account token is mounted (`token` and `ca.crt`, a
+    /// service-account-token Secret of sidestep-cni): the plugin's kubeconfig carries it, never
+    /// the agent's own token [default: /var/run/secrets/sidestep-cni].
+    #[arg(long, env = "SIDESTEP_CNI_SERVICE_ACCOUNT_DIR")]
+    pub cni_service_account_dir: Option<String>,
     #[arg(long, env = "SIDESTEP_PIN_ROOT")]
     pub pin_root: Option<String>,
     /// The cgroup2 directory to attach at [default: the node's cgroup2 root, from mountinfo;
@@ -152,6 +158,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "kubeconfig-name" => a.kubeconfig_name.as_ref(),
         "kubeconfig-mode" => a.kubeconfig_mode.as_ref(),
         "service-account-dir" => a.service_account_dir.as_ref(),
+        "cni-service-account-dir" => a.cni_service_account_dir.as_ref(),
         "pin-root" => a.pin_root.as_ref(),
         "cgroup" => a.cgroup.as_ref(),
         "state-dir" => a.state_dir.as_ref(),
@@ -183,7 +190,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 36] = [
+pub(super) const KEYS: [&str; 37] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -196,6 +203,7 @@ pub(super) const KEYS: [&str; 36] = [
     "kubeconfig-name",
     "kubeconfig-mode",
     "service-account-dir",
+    "cni-service-account-dir",
     "pin-root",
     "cgroup",
     "state-dir",

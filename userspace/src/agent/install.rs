@@ -18,9 +18,13 @@ pub enum InstallError {
     #[error("cannot remove {path}: {source}")]
     Remove { path: PathBuf, source: io::Error },
     #[error(
-        "cannot read the service account's {what} at {path}: {source}; mount the service account or run outside Kubernetes without KUBERNETES_SERVICE_HOST"
+        "cannot read the plugin's {what} at {path}: {source}. In a cluster the agent writes the \
+         plugin's kubeconfig from the sidestep-cni service account's token (get on pods and \
+         namespaces), never from its own: mount the sidestep-cni-token Secret there \
+         (deploy/serviceaccount.yaml, deploy/daemonset.yaml), or set cni-service-account-dir to \
+         where it is mounted"
     )]
-    ServiceAccount {
+    PluginServiceAccount {
         what: &'static str,
         path: PathBuf,
         source: io::Error,
@@ -60,7 +64,22 @@ pub fn remove_file(path: &Path) -> Result<bool, InstallError> {
     }
 }
 
-/// What the kubeconfig is made of.
+/// The API server's address from KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT, as every
+/// pod has them; `None` when not running in a cluster (no KUBERNETES_SERVICE_HOST).
+pub fn api_server_from_env() -> Option<String> {
+    let host = std::env::var("KUBERNETES_SERVICE_HOST")
+        .ok()
+        .filter(|h| !h.is_empty())?;
+    let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    Some(format!("https://{host}:{port}"))
+}
+
+/// What the plugin's kubeconfig is made of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceAccount {
     pub server: String,
@@ -69,34 +88,39 @@ pub struct ServiceAccount {
 }
 
 impl ServiceAccount {
-    /// Reads the mounted service account, with the API address from KUBERNETES_SERVICE_HOST and
-    /// KUBERNETES_SERVICE_PORT. `None` when not running in a cluster (no KUBERNETES_SERVICE_HOST).
-    pub fn from_env(dir: &Path) -> Result<Option<Self>, InstallError> {
-        let Some(host) = std::env::var("KUBERNETES_SERVICE_HOST")
-            .ok()
-            .filter(|h| !h.is_empty())
-        else {
-            return Ok(None);
-        };
-        let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+    /// The plugin's service account token from `dir`, for the API at [`api_server_from_env`];
+    /// `None` when not running in a cluster.
+    pub fn plugins_from_env(dir: &Path) -> Result<Option<Self>, InstallError> {
+        api_server_from_env()
+            .map(|server| Self::plugins(dir, server))
+            .transpose()
+    }
+
+    /// Reads `token` and `ca.crt` from `dir`, where the plugin's `kubernetes.io/service-account-token`
+    /// Secret is mounted.
+    pub fn plugins(dir: &Path, server: String) -> Result<Self, InstallError> {
         let read = |what: &'static str, name: &str| {
             let path = dir.join(name);
-            fs::read(&path).map_err(|source| InstallError::ServiceAccount { what, path, source })
+            fs::read(&path).map_err(|source| InstallError::PluginServiceAccount {
+                what,
+                path,
+                source,
+            })
         };
         let token = String::from_utf8_lossy(&read("token", "token")?)
             .trim()
             .to_owned();
+        if token.is_empty() {
+            return Err(InstallError::PluginServiceAccount {
+                what: "token",
+                path: dir.join("token"),
+                source: io::Error::other(
+                    "it is empty (the token controller has not filled the Secret yet)",
+                ),
+            });
+        }
         let ca = read("CA certificate", "ca.crt")?;
-        let host = if host.contains(':') {
-            format!("[{host}]")
-        } else {
-            host
-        };
-        Ok(Some(Self {
-            server: format!("https://{host}:{port}"),
-            token,
-            ca,
-        }))
+        Ok(Self { server, token, ca })
     }
 
     /// The kubeconfig text (YAML, the shape kubectl writes).
@@ -105,7 +129,8 @@ impl ServiceAccount {
         // serde_json quoting is valid YAML quoting for these scalars.
         let q = |s: &str| serde_json::to_string(s).unwrap_or_default();
         format!(
-            "# Written by the sidestep agent from its service account; rewritten on token rotation.\n\
+            "# Written by the sidestep agent from the plugin's own service account token (sidestep-cni);\n\
+             # rewritten when it changes.\n\
              apiVersion: v1\n\
              kind: Config\n\
              clusters:\n\
@@ -182,5 +207,31 @@ mod tests {
             text.contains("certificate-authority-data: \"LS0t"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_plugins_token_comes_from_its_own_secret_or_nothing_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let cni = dir.path().join("sidestep-cni");
+        fs::create_dir(&cni).unwrap();
+        let server = "https://10.96.0.1:443".to_owned();
+        let e = ServiceAccount::plugins(&cni, server.clone()).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("never from its own") && text.contains("cni-service-account-dir"),
+            "{text}"
+        );
+        fs::write(cni.join("token"), "\n").unwrap();
+        fs::write(cni.join("ca.crt"), "-----BEGIN CERTIFICATE-----").unwrap();
+        assert!(
+            ServiceAccount::plugins(&cni, server.clone())
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
+        fs::write(cni.join("token"), "cni-token\n").unwrap();
+        let sa = ServiceAccount::plugins(&cni, server).unwrap();
+        assert_eq!(sa.token, "cni-token");
+        assert!(sa.kubeconfig().contains("token: \"cni-token\""));
     }
 }

@@ -1,12 +1,13 @@
 //! `sidestep agent`: the DaemonSet process on every node.
 //!
 //! Start: resolve the settings (a bad one stops the agent naming it), check capabilities, mount
-//! bpffs if needed, load or adopt the programs (an existing pin root is upgraded in place through
-//! its links, atomically), install the plugin binary, write the plugin's kubeconfig, then serve
+//! bpffs if needed (only where the mount is the host's: [`mounts::check_mount_is_the_hosts`]),
+//! load or adopt the programs (an existing pin root is upgraded in place through its links,
+//! atomically), install the plugin binary, write the plugin's kubeconfig, then serve
 //! `/healthz`, `/readyz`, `/metrics` and keep three things true until SIGTERM:
 //! - the CNI configuration holds the sidestep entry (re-inserted within a second of another CNI
 //!   rewriting it: the conf directory is watched with inotify);
-//! - the kubeconfig follows the service account's token;
+//! - the plugin's kubeconfig follows the plugin's service account token (not the agent's own);
 //! - the data path matches the pods that run (see [`reconcile`]).
 //!
 //! SIGTERM (a restart or an upgrade) leaves programs, pins and CNI configuration in place, so
@@ -152,6 +153,8 @@ impl Agent {
             pin_root: settings.pin_root.clone(),
             pod_capacity: settings.pod_capacity,
             object,
+            // A bpffs of the container's own would take the pins with it when it stops.
+            bpffs_mount: mounts::BpffsMount::OnlyTheHosts,
         };
         // Without a pod map, any enrolment the records name is gone from the kernel; without the
         // listener map, any sk_lookup pod's proxy listener.
@@ -167,7 +170,7 @@ impl Agent {
             pin_root = %settings.pin_root.display(),
             "programs attached"
         );
-        let sa = ServiceAccount::from_env(&settings.service_account_dir)?;
+        let sa = ServiceAccount::plugins_from_env(&settings.cni_service_account_dir)?;
         let kubeconfig = if sa.is_some() {
             settings
                 .host_cni_conf_dir
@@ -242,12 +245,15 @@ impl Agent {
         Ok(())
     }
 
-    /// Rewrites the kubeconfig when the token (or CA) changed.
+    /// Rewrites the plugin's kubeconfig when its token (or CA) changed. It carries the plugin's
+    /// own token (sidestep-cni: get on pods and namespaces), never the agent's, whose verbs
+    /// depend on the repair mode: the file lies on the node, where every CNI plugin can read it.
     pub fn refresh_kubeconfig(&self) -> anyhow::Result<()> {
         if !self.service_account {
             return Ok(());
         }
-        let Some(sa) = ServiceAccount::from_env(&self.settings.service_account_dir)? else {
+        let Some(sa) = ServiceAccount::plugins_from_env(&self.settings.cni_service_account_dir)?
+        else {
             return Ok(());
         };
         let path = self.settings.kubeconfig_path();

@@ -3,7 +3,7 @@
 //! pod (so its controller recreates it through the CNI chain) and labelling it. Each call is
 //! short and blocking, made from a reconcile.
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::{
@@ -12,14 +12,14 @@ use kube::{
 };
 use serde_json::json;
 
-use super::repair::NodePod;
+use super::{apiclient::ApiAccess, repair::NodePod};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 /// The label repair's `label` mode puts on a pod that should be captured and is not.
 pub const UNINITIALIZED_LABEL: &str = "sidestep.io/uninitialized";
 
 fn block_on<T>(
-    kubeconfig: &Path,
+    api: &ApiAccess,
     f: impl AsyncFnOnce(Client) -> Result<T, String>,
 ) -> Result<T, String> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -27,7 +27,7 @@ fn block_on<T>(
         .build()
         .map_err(|e| format!("cannot start an async runtime: {e}"))?;
     rt.block_on(async {
-        let client = super::apiclient::client(kubeconfig, Some(TIMEOUT)).await?;
+        let client = super::apiclient::client(api, Some(TIMEOUT)).await?;
         tokio::time::timeout(TIMEOUT, f(client))
             .await
             .map_err(|_| format!("no answer from the API server within {TIMEOUT:?}"))?
@@ -70,7 +70,7 @@ impl Reason {
 
 /// Records an Event on `pod` (core/v1, as kubelet's own), from the agent on `node`.
 pub fn event(
-    kubeconfig: &Path,
+    api: &ApiAccess,
     node: &str,
     pod: &NodePod,
     reason: Reason,
@@ -93,7 +93,7 @@ pub fn event(
     }))
     .map_err(|e| format!("building the event: {e}"))?;
     let ns = pod.namespace.clone();
-    block_on(kubeconfig, async move |client: Client| {
+    block_on(api, async move |client: Client| {
         Api::<Event>::namespaced(client, &ns)
             .create(&PostParams::default(), &event)
             .await
@@ -103,9 +103,9 @@ pub fn event(
 }
 
 /// Deletes the pod, only if it is still the pod that was found (its UID).
-pub fn delete(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
+pub fn delete(api: &ApiAccess, pod: &NodePod) -> Result<(), String> {
     let (ns, name, uid) = (pod.namespace.clone(), pod.name.clone(), pod.uid.clone());
-    block_on(kubeconfig, async move |client: Client| {
+    block_on(api, async move |client: Client| {
         let params = DeleteParams {
             preconditions: Some(kube::api::Preconditions {
                 uid: Some(uid),
@@ -122,9 +122,9 @@ pub fn delete(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
 }
 
 /// The pod's UID, read from the API (for an Event about a pod the watch has not seen yet).
-pub fn uid(kubeconfig: &Path, namespace: &str, name: &str) -> Result<String, String> {
+pub fn uid(api: &ApiAccess, namespace: &str, name: &str) -> Result<String, String> {
     let (ns, name) = (namespace.to_owned(), name.to_owned());
-    block_on(kubeconfig, async move |client: Client| {
+    block_on(api, async move |client: Client| {
         let pod = Api::<Pod>::namespaced(client, &ns)
             .get(&name)
             .await
@@ -134,9 +134,9 @@ pub fn uid(kubeconfig: &Path, namespace: &str, name: &str) -> Result<String, Str
 }
 
 /// Labels the pod `sidestep.io/uninitialized=true`.
-pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
+pub fn label(api: &ApiAccess, pod: &NodePod) -> Result<(), String> {
     let (ns, name) = (pod.namespace.clone(), pod.name.clone());
-    block_on(kubeconfig, async move |client: Client| {
+    block_on(api, async move |client: Client| {
         let patch = json!({"metadata": {"labels": {UNINITIALIZED_LABEL: "true"}}});
         Api::<Pod>::namespaced(client, &ns)
             .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -149,14 +149,14 @@ pub fn label(kubeconfig: &Path, pod: &NodePod) -> Result<(), String> {
 /// Sets one annotation through the pods/status subresource (a JSON merge patch), as istio-cni
 /// writes `ambient.istio.io/redirection`: it needs `patch` on pods/status only.
 pub fn annotate_status(
-    kubeconfig: &Path,
+    api: &ApiAccess,
     pod: &NodePod,
     key: &str,
     value: &str,
 ) -> Result<(), String> {
     let (ns, name) = (pod.namespace.clone(), pod.name.clone());
     let patch = json!({"metadata": {"annotations": {key: value}}});
-    block_on(kubeconfig, async move |client: Client| {
+    block_on(api, async move |client: Client| {
         Api::<Pod>::namespaced(client, &ns)
             .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
@@ -168,12 +168,12 @@ pub fn annotate_status(
 /// The pod `namespace/name` and its Namespace, read from the API now (not from a watch, which
 /// may lag behind what the plugin read at the pod's ADD).
 pub fn pod_and_namespace(
-    kubeconfig: &Path,
+    api: &ApiAccess,
     namespace: &str,
     name: &str,
 ) -> Result<(Pod, Namespace), String> {
     let (ns, name) = (namespace.to_owned(), name.to_owned());
-    block_on(kubeconfig, async move |client: Client| {
+    block_on(api, async move |client: Client| {
         let pod = Api::<Pod>::namespaced(client.clone(), &ns)
             .get(&name)
             .await
@@ -189,11 +189,11 @@ pub fn pod_and_namespace(
 /// Removes one annotation through the pods/status subresource, from this pod only: the patch
 /// carries its UID, which the API server takes as a precondition. A pod that is gone, or is
 /// another pod under the same name now, counts as done.
-pub fn remove_annotation_status(kubeconfig: &Path, pod: &NodePod, key: &str) -> Result<(), String> {
+pub fn remove_annotation_status(api: &ApiAccess, pod: &NodePod, key: &str) -> Result<(), String> {
     let (ns, name) = (pod.namespace.clone(), pod.name.clone());
     let patch = json!({"metadata": {"uid": pod.uid, "annotations": {key: null}}});
     block_on(
-        kubeconfig,
+        api,
         async move |client: Client| match Api::<Pod>::namespaced(client, &ns)
             .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await

@@ -107,14 +107,14 @@ pub async fn run(agent: Arc<Agent>, poke: mpsc::Sender<()>) {
     if node.is_empty() || !(agent.settings.repair || agent.settings.ambient) {
         return;
     }
-    let kubeconfig = loop {
-        if let Some(kc) = super::repair::api_kubeconfig(&agent.settings) {
-            break kc;
+    let api = loop {
+        if let Some(api) = super::repair::api_access(&agent.settings) {
+            break api;
         }
         tokio::time::sleep(Duration::from_secs(5)).await;
     };
     let client = loop {
-        match super::apiclient::client(&kubeconfig, None).await {
+        match super::apiclient::client(&api, None).await {
             Ok(c) => break c,
             Err(e) => {
                 tracing::warn!(error = %e, "pod watch: no API client yet");

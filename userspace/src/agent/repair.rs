@@ -1,10 +1,10 @@
 //! Repair: enrolling running pods that were never enrolled, in place, deciding exactly as their
 //! ADD would have.
 //!
-//! In a cluster (a kubeconfig for the API: `api-kubeconfig`, else the one the agent writes for
-//! the plugin) the agent lists the pods on its node once per reconcile, finds each unenrolled
-//! netns's pod by its addresses, and runs the installed plugin's ADD with that pod's
-//! `K8S_POD_NAMESPACE` and `K8S_POD_NAME` and the same kubeconfig. The plugin then applies its
+//! In a cluster (`api-kubeconfig`, else the agent's service account) the agent lists the pods on
+//! its node once per reconcile, finds each unenrolled netns's pod by its addresses, and runs the
+//! installed plugin's ADD with that pod's `K8S_POD_NAMESPACE` and `K8S_POD_NAME` and the
+//! plugin's kubeconfig (`api-kubeconfig`, else the one the agent writes for the plugin). The plugin then applies its
 //! own rules (namespace exclusions, the agent's own pod, the mesh's annotations, labels and
 //! containers), reading the pod from the API, so repair skips exactly what ADD skips: the
 //! decision code is the plugin's, not a copy. A pod it skips is remembered with the plugin's
@@ -26,6 +26,7 @@ use kube::{Api, api::ListParams};
 use serde_json::{Value, json};
 
 use super::{
+    apiclient::ApiAccess,
     pods::{self, LiveNetns},
     reconcile::{self, Network, ReconcileError},
     settings::RepairMode,
@@ -70,15 +71,28 @@ pub fn forget_skips() {
     skipped().clear();
 }
 
-/// The kubeconfig repair uses, if the agent has one.
-pub fn api_kubeconfig(s: &Settings) -> Option<PathBuf> {
-    s.api_kubeconfig
-        .clone()
-        .or_else(|| Some(s.kubeconfig_path()).filter(|p| p.is_file()))
+/// The credentials of the agent's own API requests: `api-kubeconfig`, else its service account
+/// in a cluster; `None` outside one.
+pub fn api_access(s: &Settings) -> Option<ApiAccess> {
+    if let Some(kc) = &s.api_kubeconfig {
+        return Some(ApiAccess::Kubeconfig(kc.clone()));
+    }
+    super::install::api_server_from_env().map(|server| ApiAccess::ServiceAccount {
+        server,
+        dir: s.service_account_dir.clone(),
+    })
 }
 
-async fn list_async(kubeconfig: &Path, node: &str) -> Result<Vec<Pod>, String> {
-    let client = super::apiclient::client(kubeconfig, Some(API_TIMEOUT)).await?;
+/// The kubeconfig repair's ADD reads the pod with: `api-kubeconfig`, else the one written for
+/// the plugin, so that the ADD asks with the plugin's rights, as the runtime's ADD does.
+pub fn plugin_kubeconfig(s: &Settings) -> PathBuf {
+    s.api_kubeconfig
+        .clone()
+        .unwrap_or_else(|| s.kubeconfig_path())
+}
+
+async fn list_async(api: &ApiAccess, node: &str) -> Result<Vec<Pod>, String> {
+    let client = super::apiclient::client(api, Some(API_TIMEOUT)).await?;
     let list = Api::<Pod>::all(client)
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
         .await
@@ -88,7 +102,7 @@ async fn list_async(kubeconfig: &Path, node: &str) -> Result<Vec<Pod>, String> {
 
 /// The pods on `node` that hold pod addresses now, by address. Pods that finished (their IP may
 /// already be another pod's) and host-network pods (the node's own address) are left out.
-pub fn node_pods(kubeconfig: &Path, node: &str) -> Result<BTreeMap<IpAddr, NodePod>, String> {
+pub fn node_pods(api: &ApiAccess, node: &str) -> Result<BTreeMap<IpAddr, NodePod>, String> {
     if node.is_empty() {
         return Err(
             "repair needs node-name (NODE_NAME from the downward API) to list this node's pods"
@@ -100,7 +114,7 @@ pub fn node_pods(kubeconfig: &Path, node: &str) -> Result<BTreeMap<IpAddr, NodeP
         .build()
         .map_err(|e| format!("cannot start an async runtime: {e}"))?;
     let items = rt
-        .block_on(async { tokio::time::timeout(API_TIMEOUT, list_async(kubeconfig, node)).await })
+        .block_on(async { tokio::time::timeout(API_TIMEOUT, list_async(api, node)).await })
         .map_err(|_| format!("no answer from the API server within {API_TIMEOUT:?}"))??;
     Ok(by_address(&items))
 }
@@ -173,7 +187,7 @@ pub fn skip_reason(stderr: &str) -> Option<String> {
     })
 }
 
-/// The ADD's config in a cluster: the runtime's entry, with the agent's kubeconfig, and no
+/// The ADD's config in a cluster: the runtime's entry, with the plugin's kubeconfig, and no
 /// `policy` (the pod's own annotations decide).
 pub fn cluster_config(
     entry: &Value,
@@ -210,7 +224,8 @@ pub fn repair_all(
 ) {
     let live: BTreeSet<u64> = report.unenrolled.iter().map(|l| l.cookie).collect();
     skipped().retain(|c, _| live.contains(c));
-    let kubeconfig = api_kubeconfig(s);
+    let api = api_access(s);
+    let plugin_kubeconfig = plugin_kubeconfig(s);
     // The watch's pods when it has listed them; a list of our own before that.
     let mut pods: Option<Result<BTreeMap<IpAddr, NodePod>, String>> =
         watched.map(|w| Ok(by_address(&w)));
@@ -219,11 +234,15 @@ pub fn repair_all(
             report.skipped.push((l, why));
             continue;
         }
-        let done = match &kubeconfig {
+        let done = match &api {
             None => reconcile::repair(s, entry, network, &l).map(|()| Outcome::Repaired),
-            Some(kc) => {
-                let pods = pods.get_or_insert_with(|| node_pods(kc, &s.node_name));
-                repair_in_cluster(s, entry, network, kc, pods.as_ref(), &l)
+            Some(api) => {
+                let pods = pods.get_or_insert_with(|| node_pods(api, &s.node_name));
+                let access = Access {
+                    api,
+                    plugin_kubeconfig: &plugin_kubeconfig,
+                };
+                repair_in_cluster(s, entry, network, &access, pods.as_ref(), &l)
             }
         };
         match done {
@@ -252,11 +271,19 @@ pub fn repair_all(
     }
 }
 
+/// Whose rights each of repair's API requests carries.
+struct Access<'a> {
+    /// The agent's: the node's pods, events, and the repair mode's delete or label.
+    api: &'a ApiAccess,
+    /// The plugin's, for its ADD.
+    plugin_kubeconfig: &'a Path,
+}
+
 fn repair_in_cluster(
     s: &Settings,
     entry: &Value,
     network: Option<&Network>,
-    kubeconfig: &Path,
+    access: &Access<'_>,
     pods: Result<&BTreeMap<IpAddr, NodePod>, &String>,
     l: &LiveNetns,
 ) -> Result<Outcome, ReconcileError> {
@@ -271,7 +298,7 @@ fn repair_in_cluster(
         .ok_or_else(|| fail("it has no interface with an address".into()))?;
     let ips: Vec<IpAddr> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
     let pod = match_pod(pods, &ips).map_err(fail)?;
-    let mut conf = cluster_config(entry, network, kubeconfig, &l.path, &addrs);
+    let mut conf = cluster_config(entry, network, access.plugin_kubeconfig, &l.path, &addrs);
     let who = format!("{}/{}", pod.namespace, pod.name);
     let container_id = format!("sidestep-repair-{}", l.cookie);
     let args = format!(
@@ -279,7 +306,7 @@ fn repair_in_cluster(
         pod.namespace, pod.name, pod.uid
     );
     let event = |reason, message: &str| {
-        if let Err(e) = super::podapi::event(kubeconfig, &s.node_name, pod, reason, message) {
+        if let Err(e) = super::podapi::event(access.api, &s.node_name, pod, reason, message) {
             tracing::warn!(pod = %who, error = %e, "could not record an event");
         }
     };
@@ -310,11 +337,11 @@ fn repair_in_cluster(
             let message = "the pod runs without traffic capture (it started before sidestep was \
                            ready); deleted so that it is recreated through the CNI chain";
             event(super::podapi::Reason::DeletedUncaptured, message);
-            super::podapi::delete(kubeconfig, pod).map_err(fail)?;
+            super::podapi::delete(access.api, pod).map_err(fail)?;
             tracing::warn!(pod = %who, netns_cookie = l.cookie, "repair: deleted an uncaptured pod, to be recreated through the CNI chain");
             Ok(Outcome::Deleted)
         } else {
-            super::podapi::label(kubeconfig, pod).map_err(fail)?;
+            super::podapi::label(access.api, pod).map_err(fail)?;
             event(
                 super::podapi::Reason::LabelledUncaptured,
                 "the pod runs without traffic capture; labelled sidestep.io/uninitialized=true (repair-mode: label)",

@@ -68,6 +68,8 @@ pub struct Settings {
     pub kubeconfig_name: String,
     pub kubeconfig_mode: u32,
     pub service_account_dir: PathBuf,
+    /// The plugin's service account token, which the plugin's kubeconfig carries.
+    pub cni_service_account_dir: PathBuf,
     pub pin_root: PathBuf,
     pub cgroup: Option<PathBuf>,
     pub state_dir: PathBuf,
@@ -443,6 +445,11 @@ impl Settings {
             service_account_dir: r.dir(
                 "service-account-dir",
                 "/var/run/secrets/kubernetes.io/serviceaccount",
+                false,
+            )?,
+            cni_service_account_dir: r.dir(
+                "cni-service-account-dir",
+                "/var/run/secrets/sidestep-cni",
                 false,
             )?,
             pin_root: r.dir("pin-root", DEFAULT_PIN_ROOT, false)?,

@@ -73,14 +73,13 @@ pub async fn run(agent: Arc<Agent>) {
         if !ready {
             continue;
         }
-        let Some(kubeconfig) = super::repair::api_kubeconfig(&agent.settings) else {
+        let Some(api) = super::repair::api_access(&agent.settings) else {
             continue;
         };
-        let result =
-            match super::apiclient::client(&kubeconfig, Some(Duration::from_secs(10))).await {
-                Ok(c) => remove(c, &node, &key).await,
-                Err(e) => Err(e),
-            };
+        let result = match super::apiclient::client(&api, Some(Duration::from_secs(10))).await {
+            Ok(c) => remove(c, &node, &key).await,
+            Err(e) => Err(e),
+        };
         match result {
             Ok(done) => {
                 tracing::info!(

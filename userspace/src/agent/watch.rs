@@ -136,8 +136,7 @@ async fn records_loop(agent: Arc<Agent>) {
 /// Events for what the plugin's ADDs did, named by the pod the plugin recorded.
 fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::Reason)]) {
     let s = &agent.settings;
-    let Some(kubeconfig) = super::repair::api_kubeconfig(s).filter(|_| !s.node_name.is_empty())
-    else {
+    let Some(api) = super::repair::api_access(s).filter(|_| !s.node_name.is_empty()) else {
         return;
     };
     for (path, reason) in files {
@@ -159,7 +158,7 @@ fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::R
         let uid = agent
             .pod_watch
             .uid_of(&namespace, &name)
-            .or_else(|| super::podapi::uid(&kubeconfig, &namespace, &name).ok())
+            .or_else(|| super::podapi::uid(&api, &namespace, &name).ok())
             .unwrap_or_default();
         let pod = super::repair::NodePod {
             namespace,
@@ -173,7 +172,7 @@ fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::R
             ),
             _ => format!("traffic captured on {} (CNI ADD)", field("ifname")),
         };
-        if let Err(e) = super::podapi::event(&kubeconfig, &s.node_name, &pod, *reason, &message) {
+        if let Err(e) = super::podapi::event(&api, &s.node_name, &pod, *reason, &message) {
             tracing::debug!(error = %e, "could not record an event");
         }
     }
@@ -215,12 +214,13 @@ pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
             agent.settings.cni_conf_dir.display()
         )
     })?;
+    // The plugin's token: its kubeconfig follows it.
     let (sa_tx, sa_rx) = mpsc::channel(1);
     let _sa_watch = agent
         .settings
-        .service_account_dir
+        .cni_service_account_dir
         .is_dir()
-        .then(|| watcher(&agent.settings.service_account_dir, sa_tx))
+        .then(|| watcher(&agent.settings.cni_service_account_dir, sa_tx))
         .transpose()
         .map_err(|e| tracing::warn!(error = %e, "not watching the service account; polling it"))
         .ok()

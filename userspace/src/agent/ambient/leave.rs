@@ -10,7 +10,6 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::Path,
     sync::{MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
@@ -18,7 +17,7 @@ use std::{
 use k8s_openapi::api::core::v1::Pod;
 
 use super::{Ambient, REDIRECTION_ANNOTATION, Recorded, same_netns};
-use crate::agent::{Agent, pods, reconcile, repair::NodePod};
+use crate::agent::{Agent, apiclient::ApiAccess, pods, reconcile, repair::NodePod};
 
 /// How soon a pod the watches say left the mesh is checked against the API again, after the API
 /// disagreed (a watch lagging behind) or did not answer.
@@ -29,7 +28,7 @@ pub(super) struct Check<'a> {
     pub recorded: &'a Recorded,
     pub pod: &'a Pod,
     pub uid: &'a str,
-    pub kubeconfig: Option<&'a Path>,
+    pub api: Option<&'a ApiAccess>,
 }
 
 impl Ambient {
@@ -63,14 +62,14 @@ impl Ambient {
         if *confirms == 0 || self.rechecks().get(c.uid).is_some_and(|at| *at > now) {
             return false;
         }
-        let Some(kubeconfig) = c.kubeconfig else {
+        let Some(api) = c.api else {
             return false;
         };
         *confirms -= 1;
         self.rechecks()
             .insert(c.uid.to_owned(), now + RECHECK_INTERVAL);
         let who = format!("{}/{}", r.namespace, r.name);
-        match crate::agent::podapi::pod_and_namespace(kubeconfig, &r.namespace, &r.name) {
+        match crate::agent::podapi::pod_and_namespace(api, &r.namespace, &r.name) {
             Ok((fresh, ns)) => {
                 let labels = ns.metadata.labels.unwrap_or_default();
                 if fresh.metadata.uid.as_deref() != Some(c.uid) || selected(&fresh, &labels) {
@@ -115,18 +114,15 @@ impl Ambient {
 
     /// Removes the redirection annotation of every pod taken out, until the API has it done (or
     /// the pod is gone, or is another pod now).
-    pub(super) fn remove_annotations(&self, kubeconfig: &Path) {
+    pub(super) fn remove_annotations(&self, api: &ApiAccess) {
         let pending: Vec<(String, NodePod)> = self
             .unannotated()
             .iter()
             .map(|(u, p)| (u.clone(), p.clone()))
             .collect();
         for (uid, pod) in pending {
-            match crate::agent::podapi::remove_annotation_status(
-                kubeconfig,
-                &pod,
-                REDIRECTION_ANNOTATION,
-            ) {
+            match crate::agent::podapi::remove_annotation_status(api, &pod, REDIRECTION_ANNOTATION)
+            {
                 Ok(()) => {
                     self.unannotated().remove(&uid);
                 }
