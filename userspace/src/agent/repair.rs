@@ -267,8 +267,7 @@ fn repair_in_cluster(
     let network =
         network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
     let pods = pods.map_err(|e| fail(e.clone()))?;
-    let addrs = pods::pod_addresses(&l.path)
-        .ok_or_else(|| fail("it has no interface with an address".into()))?;
+    let addrs = pods::pod_addresses(l).map_err(|e| fail(e.to_string()))?;
     let ips: Vec<IpAddr> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
     let pod = match_pod(pods, &ips).map_err(fail)?;
     let mut conf = cluster_config(entry, network, kubeconfig, &l.path, &addrs);

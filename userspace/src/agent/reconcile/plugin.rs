@@ -66,8 +66,7 @@ pub fn repair(
     };
     let network =
         network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
-    let addrs = pods::pod_addresses(&l.path)
-        .ok_or_else(|| fail("it has no interface with an address".into()))?;
+    let addrs = pods::pod_addresses(l).map_err(|e| fail(e.to_string()))?;
     let conf = repair_config(entry, network, &s.repair_policy, &l.path, &addrs);
     let container_id = format!("sidestep-repair-{}", l.cookie);
     run_plugin(s, "ADD", &container_id, &l.path, &addrs.ifname, &conf).map_err(fail)?;
