@@ -616,7 +616,12 @@ mod tests {
         };
         let policy = crate::policy::Policy::default();
         let net = ("k8s".to_string(), "0.3.1".to_string());
-        let c = repair_config(&entry, &net, &policy, Path::new("/run/netns/x"), &addrs);
+        let x = LiveNetns {
+            path: "/run/netns/x".into(),
+            cookie: 42,
+            processes: 0,
+        };
+        let c = repair_config(&entry, &net, &policy, &x, &addrs);
         assert_eq!(c["name"], "k8s");
         assert_eq!(c["cniVersion"], "0.3.1");
         assert_eq!(c["prevResult"]["ips"][0]["version"], "4");
@@ -624,8 +629,9 @@ mod tests {
         assert_eq!(c["prevResult"]["interfaces"][0]["sandbox"], "/run/netns/x");
         assert!(c["policy"].is_object());
         assert_eq!(c["inbound_hook"], "tc");
+        assert_eq!(c["expect_netns_cookie"], 42);
         let net1 = ("k8s".to_string(), "1.0.0".to_string());
-        let c = repair_config(&entry, &net1, &policy, Path::new("/run/netns/x"), &addrs);
+        let c = repair_config(&entry, &net1, &policy, &x, &addrs);
         assert!(c["prevResult"]["ips"][0].get("version").is_none());
     }
 }

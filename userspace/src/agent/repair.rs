@@ -179,7 +179,7 @@ pub fn cluster_config(
     entry: &Value,
     network: &Network,
     kubeconfig: &Path,
-    netns: &Path,
+    netns: &LiveNetns,
     addrs: &pods::PodAddresses,
 ) -> Value {
     let mut conf = reconcile::repair_config(
@@ -270,7 +270,7 @@ fn repair_in_cluster(
     let addrs = pods::pod_addresses(l).map_err(|e| fail(e.to_string()))?;
     let ips: Vec<IpAddr> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
     let pod = match_pod(pods, &ips).map_err(fail)?;
-    let mut conf = cluster_config(entry, network, kubeconfig, &l.path, &addrs);
+    let mut conf = cluster_config(entry, network, kubeconfig, l, &addrs);
     let who = format!("{}/{}", pod.namespace, pod.name);
     let container_id = format!("sidestep-repair-{}", l.cookie);
     let args = format!(
@@ -406,9 +406,14 @@ mod tests {
             &entry,
             &net,
             Path::new("/k/config"),
-            Path::new("/run/netns/x"),
+            &LiveNetns {
+                path: "/run/netns/x".into(),
+                cookie: 7,
+                processes: 1,
+            },
             &addrs,
         );
+        assert_eq!(c["expect_netns_cookie"], 7);
         assert!(c.get("policy").is_none());
         assert_eq!(c["kubernetes"]["kubeconfig"], "/k/config");
         assert_eq!(c["kubernetes"]["pod_read_retries"], 2);
