@@ -121,6 +121,10 @@ pub struct PluginConfig {
     /// ADD decides and reports, and changes nothing (`decide_only`): the agent's repair modes
     /// that do not enrol (`delete`, `label`) ask the plugin's rules this way.
     pub decide_only: bool,
+    /// The agent's repair names the netns it found (`expect_netns_cookie`): ADD refuses the netns
+    /// at CNI_NETNS if it is another, as a `/proc/PID/ns/net` path is once its process exited
+    /// and another process (in a netns and user namespace of its own) took the PID.
+    pub expect_netns_cookie: Option<u64>,
     /// Istio ambient mode (`ambient_enabled`, istio-cni's key): a pod the ambient selectors pick
     /// is enrolled with istio-cni's in-pod rules for ztunnel instead of the sidecar rules, and
     /// the namespace is read from the API beside the pod for its labels.
@@ -210,6 +214,7 @@ struct Raw {
     fail_strategy: Option<FailStrategy>,
     inbound_hook: Option<InboundHook>,
     decide_only: Option<bool>,
+    expect_netns_cookie: Option<u64>,
     ambient_enabled: Option<bool>,
     pod_namespace: Option<String>,
     runtime_config: Option<RawRuntimeConfig>,
@@ -286,6 +291,7 @@ impl PluginConfig {
             fail_strategy: take(obj, "fail_strategy")?,
             inbound_hook: take(obj, "inbound_hook")?,
             decide_only: take(obj, "decide_only")?,
+            expect_netns_cookie: take(obj, "expect_netns_cookie")?,
             ambient_enabled: take(obj, "ambient_enabled")?,
             pod_namespace: take(obj, "pod_namespace")?,
             runtime_config: take(obj, "runtimeConfig")?,
@@ -400,6 +406,7 @@ impl PluginConfig {
             fail_strategy: raw.fail_strategy.unwrap_or_default(),
             inbound_hook: raw.inbound_hook.unwrap_or(DEFAULT_INBOUND_HOOK),
             decide_only: raw.decide_only.unwrap_or(false),
+            expect_netns_cookie: raw.expect_netns_cookie,
             ambient_enabled: raw.ambient_enabled.unwrap_or(false),
             pod_annotations: raw.runtime_config.and_then(|r| r.pod_annotations),
             prev_result,

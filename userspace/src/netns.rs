@@ -64,6 +64,12 @@ impl Netns {
         self.file.as_fd()
     }
 
+    /// The opened namespace's inode (`st_dev`, `st_ino` identify it while it lives), whatever
+    /// its path names by now.
+    pub fn fd_metadata(&self) -> io::Result<std::fs::Metadata> {
+        self.file.metadata()
+    }
+
     /// The host netns is the one init (PID 1) lives in. Where PID 1's namespace is hidden (a
     /// sandbox), the netns this process runs in stands for it: the plugin and the agent run in the
     /// host netns.

@@ -119,9 +119,17 @@ pub fn proxy_ids_on_host(
     )))
 }
 
-/// The maps of the user namespace owning `netns`, or `None` when it is the one this process
-/// runs in (the host's, for the plugin and the agent).
-pub fn owner_maps(netns: &Netns) -> Result<Option<OwnerMaps>, UsernsError> {
+/// The user namespace that owns `netns` (`NS_GET_USERNS`, which enters nothing), and whether it
+/// is the one this process runs in.
+///
+/// "The one this process runs in" is `/proc/self/ns/user`, compared by `(st_dev, st_ino)` as
+/// namespaces(7) says two namespaces are compared. For the agent and the plugin that is the
+/// node's user namespace: both run in it (the agent's DaemonSet is `hostUsers: true`, the plugin
+/// is the runtime's child), and the runtime makes every ordinary pod's netns from it. Not
+/// `/proc/1/ns/user`: where the node itself runs in a user namespace (a node in a container),
+/// PID 1 of the host's /proc is outside it, while its pods' netns belong to the node's, which is
+/// ours. An owner outside our scope (`EPERM` from the ioctl, an ancestor) is an error.
+fn owner(netns: &Netns) -> Result<(OwnedFd, bool), UsernsError> {
     let owner_err = |source: io::Error| UsernsError::Owner {
         netns: netns.path().display().to_string(),
         source,
@@ -137,7 +145,24 @@ pub fn owner_maps(netns: &Netns) -> Result<Option<OwnerMaps>, UsernsError> {
         .metadata()
         .map_err(owner_err)?;
     let ours = fs::metadata("/proc/self/ns/user").map_err(owner_err)?;
-    if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) {
+    let same = (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino());
+    Ok((userns, same))
+}
+
+/// Whether `netns` belongs to the node's user namespace (see [`owner`]): one ioctl and two
+/// stats, nothing entered. A netns that a process made in a nested user namespace of its own
+/// (`unshare -Urn` as root in a pod) does not.
+pub fn owned_by_ours(netns: &Netns) -> Result<bool, UsernsError> {
+    owner(netns).map(|(_, ours)| ours)
+}
+
+/// The maps of the user namespace owning `netns`, or `None` when it is the one this process
+/// runs in (the host's, for the plugin and the agent). Otherwise a child process joins that user
+/// namespace: call this only for the netns of a pod the runtime made (an enrolment), never to
+/// find out whether an unknown netns is a pod's (the agent's scan uses [`owned_by_ours`]).
+pub fn owner_maps(netns: &Netns) -> Result<Option<OwnerMaps>, UsernsError> {
+    let (userns, ours) = owner(netns)?;
+    if ours {
         return Ok(None);
     }
     read_maps(&userns)

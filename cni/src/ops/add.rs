@@ -62,6 +62,20 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
     let netns = ctx.env.netns.as_deref().unwrap_or_else(|| "".as_ref());
     // A bad netns is an error whatever the decision: the host's is never a pod's.
     let cookie = ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
+    // Before anything reads the pod or enters the netns's user namespace (enrolment does, for
+    // a user-namespaced pod's proxy IDs).
+    if let Some(expected) = ctx.cfg.expect_netns_cookie
+        && expected != cookie
+    {
+        return Err(CniError::new(
+            code::INVALID_NETNS,
+            format!(
+                "{} is not the netns the agent's repair found (cookie {cookie}, expected \
+                 {expected}): its process exited and another took its PID",
+                netns.display()
+            ),
+        ));
+    }
 
     let resolved = resolve(ctx);
     if ctx.cfg.decide_only {

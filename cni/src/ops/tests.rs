@@ -672,6 +672,7 @@ fn sk_lookup_falls_back_to_tc_where_it_cannot_work() {
 
 mod del;
 mod index;
+mod repair;
 
 #[test]
 fn decide_only_reports_the_decision_and_changes_nothing() {

@@ -7,11 +7,23 @@
 //! - with `scan-proc` and no prefix, `/proc/*/ns/net` of every process, for runtimes that keep no
 //!   bind mount. The host netns (ours, PID 1's) is never a pod.
 //!
+//! A netns found only through /proc is anybody's: root in a pod can `unshare -Urn`, put another
+//! pod's address on a dummy interface, and so pass for that pod when repair matches netns to
+//! pods by address (and have repair delete, label or enrol it). Such a netns belongs to a user
+//! namespace of the process's own making, while a runtime makes pod netns from the node's user
+//! namespace, so one found only through /proc is a pod's only when it belongs to the node's user
+//! namespace ([`crate::userns::owned_by_ours`]: an ioctl on the netns, nothing entered), or when
+//! a record of the plugin names it (a sandbox the runtime gave the plugin, such as a
+//! `hostUsers: false` pod's, whose netns its own user namespace owns). Any other is left out
+//! before anything reads from inside it. A bind mount under the netns directories is the
+//! runtime's (a pod cannot make one there), so it counts whatever user namespace owns it: a
+//! `hostUsers: false` pod the runtime keeps there is reported and repaired as any other.
+//!
 //! Each is identified by its cookie (read from inside it, as enrolment does), so a record, a map
 //! entry and a live netns are compared by the one key the data path uses.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     net::IpAddr,
     os::unix::fs::MetadataExt,
@@ -120,16 +132,27 @@ pub struct Scan<'a> {
     pub prefix: &'a str,
     pub scan_proc: bool,
     pub proc_dir: &'a Path,
+    /// The netns the plugin's records name (the path as the plugin wrote it, and the cookie):
+    /// pod sandboxes whatever user namespace owns them.
+    pub recorded: &'a [(PathBuf, u64)],
 }
 
 fn dev_ino(path: &Path) -> Option<(u64, u64)> {
     fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-/// Every pod netns: opened (refusing the host's) and its cookie read.
+/// A netns the scan found, before it is opened.
+struct Found {
+    path: PathBuf,
+    processes: usize,
+    /// Under a netns directory (the runtime's bind mount), not only through a process.
+    bind_mounted: bool,
+}
+
+/// Every pod netns: opened (refusing the host's, and those only a process vouches for that are
+/// no pod's: see the module's doc) and its cookie read.
 pub fn live_netns(scan: &Scan<'_>) -> Vec<LiveNetns> {
-    // (dev, ino) -> (path to open, processes)
-    let mut found: BTreeMap<(u64, u64), (PathBuf, usize)> = BTreeMap::new();
+    let mut found: BTreeMap<(u64, u64), Found> = BTreeMap::new();
     for dir in scan.netns_dirs {
         let Ok(entries) = fs::read_dir(dir) else {
             continue;
@@ -140,7 +163,11 @@ pub fn live_netns(scan: &Scan<'_>) -> Vec<LiveNetns> {
             }
             let path = e.path();
             if let Some(key) = dev_ino(&path) {
-                found.entry(key).or_insert((path, 0));
+                found.entry(key).or_insert(Found {
+                    path,
+                    processes: 0,
+                    bind_mounted: true,
+                });
             }
         }
     }
@@ -153,30 +180,82 @@ pub fn live_netns(scan: &Scan<'_>) -> Vec<LiveNetns> {
             let path = e.path().join("ns/net");
             let Some(key) = dev_ino(&path) else { continue };
             match found.get_mut(&key) {
-                Some((_, n)) => *n += 1,
+                Some(f) => f.processes += 1,
                 None if scan.scan_proc && scan.prefix.is_empty() => {
-                    found.insert(key, (path, 1));
+                    found.insert(
+                        key,
+                        Found {
+                            path,
+                            processes: 1,
+                            bind_mounted: false,
+                        },
+                    );
                 }
                 None => {}
             }
         }
     }
+    let recorded = recorded_netns(scan);
     found
         .into_values()
-        .filter_map(|(path, processes)| {
+        .filter_map(|f| {
             // The host's netns, and files that are not netns, are refused here.
-            let netns = Netns::open(&path).ok()?;
+            let netns = Netns::open(&f.path).ok()?;
+            if !f.bind_mounted && !is_pod_sandbox(&netns, &recorded) {
+                return None;
+            }
             let cookie = netns
                 .cookie()
-                .map_err(|e| tracing::debug!(netns = %path.display(), error = %e, "no cookie"))
+                .map_err(|e| tracing::debug!(netns = %f.path.display(), error = %e, "no cookie"))
                 .ok()?;
             Some(LiveNetns {
-                path,
+                path: f.path,
                 cookie,
-                processes,
+                processes: f.processes,
             })
         })
         .collect()
+}
+
+/// The recorded netns by what their paths name now: (dev, ino) -> the cookies records give it
+/// (more than one only for a stale `/proc/PID` path whose PID another process has now).
+fn recorded_netns(scan: &Scan<'_>) -> BTreeMap<(u64, u64), BTreeSet<u64>> {
+    let mut out: BTreeMap<(u64, u64), BTreeSet<u64>> = BTreeMap::new();
+    for (path, cookie) in scan.recorded {
+        if let Some(key) = dev_ino(&agent_view(path, scan.proc_dir)) {
+            out.entry(key).or_default().insert(*cookie);
+        }
+    }
+    out
+}
+
+/// Whether a netns that only a process vouches for is a pod's: it belongs to the node's user
+/// namespace, or a record names this very netns (the inode its recorded path names now, and the
+/// recorded cookie, which no other netns ever has). Anything else is left out without a look
+/// inside: neither its user namespace nor the netns itself is entered.
+fn is_pod_sandbox(netns: &Netns, recorded: &BTreeMap<(u64, u64), BTreeSet<u64>>) -> bool {
+    let owner = crate::userns::owned_by_ours(netns);
+    if matches!(owner, Ok(true)) {
+        return true;
+    }
+    // The open fd's inode: the path may name another netns by now.
+    let key = netns.fd_metadata().ok().map(|m| (m.dev(), m.ino()));
+    if let Some(cookies) = key.and_then(|k| recorded.get(&k))
+        && netns.cookie().is_ok_and(|c| cookies.contains(&c))
+    {
+        return true;
+    }
+    tracing::debug!(
+        netns = %netns.path().display(),
+        owner = %match owner {
+            Ok(_) => "another user namespace".to_owned(),
+            Err(e) => e.to_string(),
+        },
+        "left out: a netns found only through a process, which belongs to a user namespace \
+         other than the node's and which no record names (made by a process, such as \
+         `unshare -Urn` in a pod, not a sandbox the runtime made)"
+    );
+    false
 }
 
 /// What became of a recorded netns.
@@ -245,40 +324,63 @@ pub struct PodAddresses {
     pub ips: Vec<(IpAddr, u8)>,
 }
 
-/// The first interface other than loopback that has a global address, with its addresses.
-pub fn pod_addresses(netns: &Path) -> Option<PodAddresses> {
-    let ns = Netns::open(netns).ok()?;
-    let addrs = ns
-        .run(|| {
-            let mut out: Vec<(String, IpAddr, u8)> = Vec::new();
-            for a in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
-                if a.interface_name == "lo" {
+/// Why a live netns's addresses were not read.
+#[derive(Debug, thiserror::Error)]
+pub enum AddressesError {
+    #[error(transparent)]
+    Netns(#[from] crate::error::NetnsError),
+    /// A `/proc/PID/ns/net` path whose process exited, and whose PID another process has now.
+    #[error("it names another netns now (its process is gone)")]
+    Replaced,
+    #[error("it has no interface with an address")]
+    NoAddress,
+}
+
+/// The first interface other than loopback that has a global address, with its addresses, in
+/// the netns the scan found: the one its path names now is read only if it has the scan's
+/// cookie, so a process that took a scanned process's PID cannot have its netns read instead.
+pub fn pod_addresses(live: &LiveNetns) -> Result<PodAddresses, AddressesError> {
+    let ns = Netns::open(&live.path)?;
+    if ns.cookie()? != live.cookie {
+        return Err(AddressesError::Replaced);
+    }
+    addresses(&ns)
+}
+
+/// [`pod_addresses`] of the netns at `path`, whichever it is (the plugin's, given the path by
+/// its runtime).
+pub fn addresses_at(path: &Path) -> Option<PodAddresses> {
+    addresses(&Netns::open(path).ok()?).ok()
+}
+
+fn addresses(ns: &Netns) -> Result<PodAddresses, AddressesError> {
+    let addrs = ns.run(|| {
+        let mut out: Vec<(String, IpAddr, u8)> = Vec::new();
+        for a in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
+            if a.interface_name == "lo" {
+                continue;
+            }
+            let (Some(addr), Some(mask)) = (a.address, a.netmask) else {
+                continue;
+            };
+            let entry = if let (Some(a4), Some(m4)) = (addr.as_sockaddr_in(), mask.as_sockaddr_in())
+            {
+                (IpAddr::V4(a4.ip()), u32::from(m4.ip()).count_ones() as u8)
+            } else if let (Some(a6), Some(m6)) = (addr.as_sockaddr_in6(), mask.as_sockaddr_in6()) {
+                let ip = a6.ip();
+                if ip.is_unicast_link_local() {
                     continue;
                 }
-                let (Some(addr), Some(mask)) = (a.address, a.netmask) else {
-                    continue;
-                };
-                let entry =
-                    if let (Some(a4), Some(m4)) = (addr.as_sockaddr_in(), mask.as_sockaddr_in()) {
-                        (IpAddr::V4(a4.ip()), u32::from(m4.ip()).count_ones() as u8)
-                    } else if let (Some(a6), Some(m6)) =
-                        (addr.as_sockaddr_in6(), mask.as_sockaddr_in6())
-                    {
-                        let ip = a6.ip();
-                        if ip.is_unicast_link_local() {
-                            continue;
-                        }
-                        (IpAddr::V6(ip), u128::from(m6.ip()).count_ones() as u8)
-                    } else {
-                        continue;
-                    };
-                out.push((a.interface_name.clone(), entry.0, entry.1));
-            }
-            Ok(out)
-        })
-        .ok()?;
-    let ifname = addrs.first()?.0.clone();
-    Some(PodAddresses {
+                (IpAddr::V6(ip), u128::from(m6.ip()).count_ones() as u8)
+            } else {
+                continue;
+            };
+            out.push((a.interface_name.clone(), entry.0, entry.1));
+        }
+        Ok(out)
+    })?;
+    let ifname = addrs.first().ok_or(AddressesError::NoAddress)?.0.clone();
+    Ok(PodAddresses {
         ips: addrs
             .iter()
             .filter(|(n, _, _)| *n == ifname)
@@ -316,6 +418,98 @@ mod tests {
             fate(Path::new("/not-mounted-here/netns/x"), 1),
             Fate::Unknown(_)
         ));
+    }
+
+    /// A child process in namespaces of its own (`unshare(flags)`), until dropped.
+    struct Unshared {
+        pid: nix::unistd::Pid,
+        go: Option<std::os::fd::OwnedFd>,
+    }
+
+    impl Unshared {
+        fn new(flags: libc::c_int) -> Self {
+            use std::os::fd::AsRawFd as _;
+            let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+            let (go_r, go_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+            // SAFETY: the child makes raw system calls only (close, unshare, write, read,
+            // _exit), so forking the multithreaded test process is sound.
+            match unsafe { nix::unistd::fork() }.unwrap() {
+                nix::unistd::ForkResult::Child => unsafe {
+                    // SAFETY: raw syscalls on fds this process holds; `_exit` never returns.
+                    libc::close(ready_r.as_raw_fd());
+                    libc::close(go_w.as_raw_fd());
+                    let status = [u8::from(libc::unshare(flags) == 0)];
+                    libc::write(ready_w.as_raw_fd(), status.as_ptr().cast(), 1);
+                    let mut byte = [0u8; 1];
+                    libc::read(go_r.as_raw_fd(), byte.as_mut_ptr().cast(), 1);
+                    libc::_exit(0)
+                },
+                nix::unistd::ForkResult::Parent { child } => {
+                    drop((ready_w, go_r));
+                    let mut status = [0u8; 1];
+                    let n = nix::unistd::read(ready_r.as_raw_fd(), &mut status).unwrap();
+                    assert_eq!((n, status[0]), (1, 1), "unshare({flags:#x}) failed");
+                    Self {
+                        pid: child,
+                        go: Some(go_w),
+                    }
+                }
+            }
+        }
+    }
+
+    impl Drop for Unshared {
+        fn drop(&mut self) {
+            if let Some(go) = self.go.take() {
+                let _ = nix::unistd::write(&go, &[1]);
+            }
+            let _ = nix::sys::wait::waitpid(self.pid, None);
+        }
+    }
+
+    /// A netns that only a process vouches for is a pod's when the node's user namespace owns
+    /// it, or a record names it; one a process made in a user namespace of its own (as
+    /// `unshare -Urn` in a pod does) is left out. Needs root (a netns in ours).
+    #[test]
+    fn a_netns_in_a_nested_user_namespace_is_no_pod_unless_recorded() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let pod = Unshared::new(libc::CLONE_NEWNET);
+        let nested = Unshared::new(libc::CLONE_NEWUSER | libc::CLONE_NEWNET);
+        // A /proc of these two processes only, with the real ns files behind it.
+        let proc_dir = tempfile::tempdir().unwrap();
+        for u in [&pod, &nested] {
+            let dir = proc_dir.path().join(u.pid.to_string()).join("ns");
+            std::fs::create_dir_all(&dir).unwrap();
+            std::os::unix::fs::symlink(format!("/proc/{}/ns/net", u.pid), dir.join("net")).unwrap();
+        }
+        let netns_path = |u: &Unshared| PathBuf::from(format!("/proc/{}/ns/net", u.pid));
+        let cookie = |u: &Unshared| Netns::open(&netns_path(u)).unwrap().cookie().unwrap();
+        let live = |recorded: &[(PathBuf, u64)]| -> Vec<u64> {
+            let scan = Scan {
+                netns_dirs: &[],
+                prefix: "",
+                scan_proc: true,
+                proc_dir: proc_dir.path(),
+                recorded,
+            };
+            live_netns(&scan).into_iter().map(|l| l.cookie).collect()
+        };
+        assert!(crate::userns::owned_by_ours(&Netns::open(&netns_path(&pod)).unwrap()).unwrap());
+        assert!(
+            !crate::userns::owned_by_ours(&Netns::open(&netns_path(&nested)).unwrap()).unwrap()
+        );
+        assert_eq!(live(&[]), [cookie(&pod)]);
+        // A record of the nested one's sandbox (a `hostUsers: false` pod's): it counts.
+        let mut both = live(&[(netns_path(&nested), cookie(&nested))]);
+        both.sort_unstable();
+        let mut want = [cookie(&pod), cookie(&nested)];
+        want.sort_unstable();
+        assert_eq!(both, want);
+        // A record that names its path with another cookie (a PID taken over) does not.
+        assert_eq!(live(&[(netns_path(&nested), cookie(&pod))]), [cookie(&pod)]);
     }
 
     #[test]

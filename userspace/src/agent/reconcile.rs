@@ -8,7 +8,9 @@
 //! - **Never enrolled.** A live pod netns whose cookie is not in the pod map is reported (log,
 //!   `/metrics`, `/readyz` body): typically a pod that started before the agent was ready. The
 //!   agent cannot tell a meshed pod from an unmeshed one without the API server, so the report
-//!   names every uncaptured netns in scope (narrow it with `netns-dirs` / `netns-prefix`).
+//!   names every uncaptured netns in scope (narrow it with `netns-dirs` / `netns-prefix`). A
+//!   netns that only a process vouches for is in scope only if the node's user namespace owns
+//!   it or a record names it ([`pods`]): a pod's root cannot pass its own for another pod.
 //! - **Repair** (`repair`, off by default) enrols each of them in place by running the installed
 //!   plugin's ADD for it, exactly as the runtime would, with the netns's own addresses as
 //!   prevResult and `repair-policy` as the plugin's `policy`. The plugin writes the record, so
@@ -437,15 +439,22 @@ pub fn reconcile(
     recreated: Recreated,
     watched: Option<Vec<k8s_openapi::api::core::v1::Pod>>,
 ) -> Report {
+    let _records = RECORDS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // The sandboxes the runtime gave the plugin: a netns found only through a process counts
+    // when one of them is it, whatever user namespace owns it (see `pods`).
+    let recorded: Vec<(std::path::PathBuf, u64)> = pods::records(&s.state_dir)
+        .into_values()
+        .map(|r| (r.netns, r.netns_cookie))
+        .collect();
     let scan = pods::Scan {
         netns_dirs: &s.netns_dirs,
         prefix: &s.netns_prefix,
         scan_proc: s.scan_proc,
         proc_dir: &s.proc_dir,
+        recorded: &recorded,
     };
-    let _records = RECORDS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let live = pods::live_netns(&scan);
     let live_cookies: BTreeSet<u64> = live.iter().map(|l| l.cookie).collect();
     let records = pods::records(&s.state_dir);
@@ -607,7 +616,12 @@ mod tests {
         };
         let policy = crate::policy::Policy::default();
         let net = ("k8s".to_string(), "0.3.1".to_string());
-        let c = repair_config(&entry, &net, &policy, Path::new("/run/netns/x"), &addrs);
+        let x = LiveNetns {
+            path: "/run/netns/x".into(),
+            cookie: 42,
+            processes: 0,
+        };
+        let c = repair_config(&entry, &net, &policy, &x, &addrs);
         assert_eq!(c["name"], "k8s");
         assert_eq!(c["cniVersion"], "0.3.1");
         assert_eq!(c["prevResult"]["ips"][0]["version"], "4");
@@ -615,8 +629,9 @@ mod tests {
         assert_eq!(c["prevResult"]["interfaces"][0]["sandbox"], "/run/netns/x");
         assert!(c["policy"].is_object());
         assert_eq!(c["inbound_hook"], "tc");
+        assert_eq!(c["expect_netns_cookie"], 42);
         let net1 = ("k8s".to_string(), "1.0.0".to_string());
-        let c = repair_config(&entry, &net1, &policy, Path::new("/run/netns/x"), &addrs);
+        let c = repair_config(&entry, &net1, &policy, &x, &addrs);
         assert!(c["prevResult"]["ips"][0].get("version").is_none());
     }
 }

@@ -193,7 +193,7 @@ pub fn cluster_config(
     entry: &Value,
     network: &Network,
     kubeconfig: &Path,
-    netns: &Path,
+    netns: &LiveNetns,
     addrs: &pods::PodAddresses,
 ) -> Value {
     let mut conf = reconcile::repair_config(
@@ -294,11 +294,10 @@ fn repair_in_cluster(
     let network =
         network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
     let pods = pods.map_err(|e| fail(e.clone()))?;
-    let addrs = pods::pod_addresses(&l.path)
-        .ok_or_else(|| fail("it has no interface with an address".into()))?;
+    let addrs = pods::pod_addresses(l).map_err(|e| fail(e.to_string()))?;
     let ips: Vec<IpAddr> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
     let pod = match_pod(pods, &ips).map_err(fail)?;
-    let mut conf = cluster_config(entry, network, access.plugin_kubeconfig, &l.path, &addrs);
+    let mut conf = cluster_config(entry, network, access.plugin_kubeconfig, l, &addrs);
     let who = format!("{}/{}", pod.namespace, pod.name);
     let container_id = format!("sidestep-repair-{}", l.cookie);
     let args = format!(
@@ -434,9 +433,14 @@ mod tests {
             &entry,
             &net,
             Path::new("/k/config"),
-            Path::new("/run/netns/x"),
+            &LiveNetns {
+                path: "/run/netns/x".into(),
+                cookie: 7,
+                processes: 1,
+            },
             &addrs,
         );
+        assert_eq!(c["expect_netns_cookie"], 7);
         assert!(c.get("policy").is_none());
         assert_eq!(c["kubernetes"]["kubeconfig"], "/k/config");
         assert_eq!(c["kubernetes"]["pod_read_retries"], 2);

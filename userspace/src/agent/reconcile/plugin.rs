@@ -16,13 +16,14 @@ use crate::agent::{
     settings::Settings,
 };
 
-/// The plugin configuration for a repair: the entry as the runtime passes it, plus `policy` and
-/// a prevResult with the pod's addresses.
+/// The plugin configuration for a repair: the entry as the runtime passes it, plus `policy`, a
+/// prevResult with the pod's addresses, and the netns's cookie (`expect_netns_cookie`: the
+/// plugin opens the path again, and a `/proc/PID` one may name another netns by then).
 pub fn repair_config(
     entry: &Value,
     network: &Network,
     policy: &crate::policy::Policy,
-    netns: &Path,
+    netns: &LiveNetns,
     addrs: &pods::PodAddresses,
 ) -> Value {
     let (name, version) = network;
@@ -45,9 +46,10 @@ pub fn repair_config(
     // The pod runs: its proxy listened before this enrolment, which the sk_lookup hook (the
     // plugin's default, for pods enrolled before they start) would not see. tc finds it.
     conf["inbound_hook"] = json!("tc");
+    conf["expect_netns_cookie"] = json!(netns.cookie);
     conf["prevResult"] = json!({
         "cniVersion": version,
-        "interfaces": [{ "name": addrs.ifname, "sandbox": netns }],
+        "interfaces": [{ "name": addrs.ifname, "sandbox": netns.path }],
         "ips": ips,
     });
     conf
@@ -66,9 +68,8 @@ pub fn repair(
     };
     let network =
         network.ok_or_else(|| fail("the CNI configuration is not in place yet".into()))?;
-    let addrs = pods::pod_addresses(&l.path)
-        .ok_or_else(|| fail("it has no interface with an address".into()))?;
-    let conf = repair_config(entry, network, &s.repair_policy, &l.path, &addrs);
+    let addrs = pods::pod_addresses(l).map_err(|e| fail(e.to_string()))?;
+    let conf = repair_config(entry, network, &s.repair_policy, l, &addrs);
     let container_id = format!("sidestep-repair-{}", l.cookie);
     run_plugin(s, "ADD", &container_id, &l.path, &addrs.ifname, &conf).map_err(fail)?;
     tracing::info!(
