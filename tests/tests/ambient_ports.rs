@@ -99,39 +99,43 @@ fn a_listener_bound_before_enrolment_gets_no_captured_inbound() -> Result<()> {
     }
     let env = TestEnv::new("ambient-early-bind")?;
     let node = Node::new(&env, NodeOptions::dual_stack())?;
-    let ambient = node.add_pod("ambient")?;
     let client = node.add_pod("client")?;
     let loaded = Loaded::load(&env)?;
-    // The app binds 15006 before the pod is enrolled (no guard yet) and listens after.
-    let mut early = ambient.spawn(
-        &env,
-        Spawn::new(&[
-            probe(),
-            "bind",
-            "0.0.0.0:15006",
-            "--listen-after-ms",
-            "1500",
-        ])
-        .user(APP_UID, APP_UID),
-    )?;
-    wait_for_output(&mut early, "\"bound\"")?;
-    loaded.enroll(&ambient, &["--ambient"])?;
-    wait_for_output(&mut early, "\"listening\"")?;
-    // An inbound connection to the pod's app port is captured: with no ztunnel listening it is
-    // refused, and the app's early socket must not receive it.
-    let target = format!("{}:8080", ambient.ipv4);
-    let out = client.run(
-        &env,
-        APP_UID,
-        &[probe(), "connect", &target, "--timeout-ms", "2000"],
-    )?;
-    std::thread::sleep(Duration::from_millis(300));
-    ensure!(
-        !early.stdout().contains("\"accepted\""),
-        "a socket bound before enrolment, without ztunnel's mark, received captured inbound: \
-         {} (client: {})",
-        early.stdout(),
-        String::from_utf8_lossy(&out.stdout)
-    );
+    // sk_lookup takes the listener sock_ops registered at listen(2); tc looks the listener up
+    // for every SYN. Each must refuse an unmarked one.
+    for hook in ["sk_lookup", "tc"] {
+        let ambient = node.add_pod(&format!("early-{}", hook.replace('_', "")))?;
+        // The app binds 15006 before the pod is enrolled (no guard yet) and listens after.
+        let mut early = ambient.spawn(
+            &env,
+            Spawn::new(&[
+                probe(),
+                "bind",
+                "0.0.0.0:15006",
+                "--listen-after-ms",
+                "1500",
+            ])
+            .user(APP_UID, APP_UID),
+        )?;
+        wait_for_output(&mut early, "\"bound\"")?;
+        loaded.enroll(&ambient, &["--ambient", "--inbound-hook", hook])?;
+        wait_for_output(&mut early, "\"listening\"")?;
+        // An inbound connection to the pod's app port is captured: with no ztunnel listening it
+        // is refused, and the app's early socket must not receive it.
+        let target = format!("{}:8080", ambient.ipv4);
+        let out = client.run(
+            &env,
+            APP_UID,
+            &[probe(), "connect", &target, "--timeout-ms", "2000"],
+        )?;
+        std::thread::sleep(Duration::from_millis(300));
+        ensure!(
+            !early.stdout().contains("\"accepted\""),
+            "{hook} hook: a socket bound before enrolment, without ztunnel's mark, received \
+             captured inbound: {} (client: {})",
+            early.stdout(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
     Ok(())
 }

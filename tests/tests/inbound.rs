@@ -450,8 +450,10 @@ fn a_forged_local_source_from_off_the_pod_is_captured() -> Result<()> {
         );
         std::thread::sleep(Duration::from_millis(300));
         let after = counter(&loaded, &server, "redirected_inbound")?;
+        // Captured, the proxy's SYN-ACK goes to the forged source, the pod itself, and the
+        // kernel's lookup for it is counted too: at least one.
         ensure!(
-            after == before + 1,
+            after > before,
             "a SYN forging {forged} from another pod was not captured (redirected_inbound \
              {before} -> {after})"
         );

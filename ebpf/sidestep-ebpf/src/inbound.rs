@@ -11,7 +11,7 @@ use aya_ebpf::{
     bindings::{BPF_F_CURRENT_NETNS, bpf_sock, bpf_sock_tuple},
     helpers::generated::{
         bpf_get_netns_cookie, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_assign,
-        bpf_sk_release, bpf_skc_lookup_tcp,
+        bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp,
     },
     macros::classifier,
     programs::TcContext,
@@ -119,13 +119,7 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         && state != TCP_LISTEN
     {
         if state == TCP_TIME_WAIT {
-            remember_listener(
-                ctx,
-                &mut listener_tuple,
-                seg.ipv6,
-                netns_cookie,
-                pod.inbound_port,
-            );
+            remember_listener(ctx, &mut listener_tuple, seg.ipv6, netns_cookie, &pod);
         }
         return NEXT;
     }
@@ -133,7 +127,8 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         return DROP;
     };
     // SAFETY: `listener` is a referenced socket from skc_lookup; state is a sock_common field.
-    let is_listener = unsafe { (*listener).state } == TCP_LISTEN;
+    let is_listener =
+        unsafe { (*listener).state } == TCP_LISTEN && is_the_pods_proxy(&pod, listener);
     let assigned = if is_listener {
         // SAFETY: the skb is at tc ingress and `listener` a referenced socket.
         unsafe { bpf_sk_assign(ctx.as_ptr(), listener.cast(), 0) }
@@ -145,7 +140,7 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         // are). The kernel's own lookup can: the pod's sk_lookup program steers this SYN to
         // the proxy, from the listener map, so the listener must be in it.
         if captures_on_interface(ctx, netns_cookie) {
-            register_listener(netns_cookie, listener, pod.inbound_port);
+            register_listener(&pod, netns_cookie, listener, pod.inbound_port);
         }
         // SAFETY: releases the reference skc_lookup took.
         unsafe { bpf_sk_release(listener.cast()) };
@@ -194,7 +189,7 @@ fn remember_listener(
     listener_tuple: &mut bpf_sock_tuple,
     ipv6: bool,
     netns_cookie: u64,
-    inbound_port: u16,
+    pod: &PodPolicy,
 ) {
     if !captures_on_interface(ctx, netns_cookie) {
         return;
@@ -202,7 +197,7 @@ fn remember_listener(
     let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {
         return;
     };
-    register_listener(netns_cookie, listener, inbound_port);
+    register_listener(pod, netns_cookie, listener, pod.inbound_port);
     // SAFETY: releases the reference skc_lookup took.
     unsafe { bpf_sk_release(listener.cast()) };
 }
@@ -224,10 +219,35 @@ fn captures_on_interface(ctx: &TcContext, netns_cookie: u64) -> bool {
     unsafe { SIDESTEP_IFACES.get(iface) }.is_some_and(|kind| *kind == iface_kind::TC)
 }
 
+/// Whether `listener`, found on the pod's inbound port, may take its captured inbound: in an
+/// ambient pod only ztunnel's socket, which carries its mark (a socket bound there before the
+/// pod was enrolled, before portguard.rs, does not); in a sidecar pod whatever listens there, as
+/// under REDIRECT.
+#[inline(always)]
+fn is_the_pods_proxy(pod: &PodPolicy, listener: *mut bpf_sock) -> bool {
+    if !crate::ambient::is_ambient(pod) {
+        return true;
+    }
+    // SAFETY: `listener` is a referenced socket from skc_lookup; the helper returns its full
+    // socket, or NULL for a request or TIME_WAIT socket.
+    let full = unsafe { bpf_sk_fullsock(listener) };
+    if full.is_null() {
+        return false;
+    }
+    // SAFETY: a full socket; `mark` is a 4-byte field.
+    let mark = unsafe { core::ptr::read_volatile(&raw const (*full).mark) };
+    crate::ambient::is_ztunnel_mark(pod, mark)
+}
+
 /// Adds `listener` (a referenced socket the caller releases) to `SIDESTEP_LSTN` when it listens
 /// and is not there yet.
 #[inline(always)]
-fn register_listener(netns_cookie: u64, listener: *mut bpf_sock, inbound_port: u16) {
+fn register_listener(
+    pod: &PodPolicy,
+    netns_cookie: u64,
+    listener: *mut bpf_sock,
+    inbound_port: u16,
+) {
     // SAFETY: `listener` is a referenced socket from skc_lookup; both are sock_common fields.
     let (state, family) = unsafe { ((*listener).state, (*listener).family) };
     if state != TCP_LISTEN {
@@ -252,7 +272,7 @@ fn register_listener(netns_cookie: u64, listener: *mut bpf_sock, inbound_port: u
         }
         !sk.is_null()
     };
-    if !present {
+    if !present && is_the_pods_proxy(pod, listener) {
         // SAFETY: as above; the value is a referenced full listening socket, which the kernel
         // checks again (sk_fullsock, state) under its lock. A failure leaves the map as it was:
         // the SYN is then refused as before.

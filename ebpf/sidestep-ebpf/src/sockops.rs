@@ -179,7 +179,8 @@ unsafe fn on_self_connect(ctx: &SockOpsContext) {
     }
     // SAFETY: forwarded from our caller.
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
-    if sidestep_abi::is_v4_mapped(&remote) {
+    // ::1 arrives on lo, where sk_lookup asks nothing; an IPv4-mapped peer is IPv4.
+    if sidestep_abi::is_v4_mapped(&remote) || crate::policy::is_loopback(&remote) {
         return;
     }
     // SAFETY: valid sock_ops context.
@@ -260,6 +261,11 @@ unsafe fn on_accepted(ctx: &SockOpsContext) {
         crate::ambient::forget_node_socket(key);
         return;
     };
+    // The pod's own connection to itself was never redirected: its record only vouches for its
+    // SYN to sk_lookup, and its client's close removes it.
+    if orig.kind == redirect_kind::LOCAL_SELF {
+        return;
+    }
     orig.side = socket_side::ACCEPTED;
     // SAFETY: forwarded from our caller.
     let sk = unsafe { full_socket(ctx.ops) };

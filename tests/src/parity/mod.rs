@@ -221,9 +221,9 @@ impl Listeners {
         self.start_as(env, probe, pod, (uid, gid, true), addrs, label)
     }
 
-    /// As [`Self::start_transparent`] as root, for ztunnel's in-pod listeners: each socket carries
-    /// ztunnel's mark to its bind (in an ambient pod only ztunnel may bind its ports), and drops
-    /// it once listening, so its connections behave as they always did in the tables.
+    /// As [`Self::start_transparent`] as root, for ztunnel's in-pod listeners: each socket is
+    /// marked with ztunnel's mark before its bind, as ztunnel's are (in an ambient pod only
+    /// ztunnel may bind its ports, and take its captured inbound).
     pub fn start_ztunnel(
         &mut self,
         env: &TestEnv,

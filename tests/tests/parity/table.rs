@@ -153,6 +153,11 @@ pub(super) enum Intended {
     /// captured by both and reaches nobody: the proxy's loopback is not on that interface.
     /// connect6's rewrite to ::1 fails at once (ENETUNREACH); REDIRECT's SYN is lost (ETIMEDOUT).
     BoundDeviceV6,
+    /// A socket bound to a loopback address (127.0.0.6) calling off the pod: connect4 refuses it
+    /// (EPERM). Under Istio the route lookup refuses it (EINVAL) while `route_localnet` is off,
+    /// and REDIRECT captures it once kube-proxy has turned that on; sidestep does not depend on
+    /// the setting (docs/RELIABILITY.md, the threat table; bypass.rs tests both settings).
+    LoopbackSourceRefused,
 }
 
 impl Intended {
@@ -168,6 +173,9 @@ impl Intended {
             }
             Intended::BoundDeviceV6 => {
                 "SO_BINDTODEVICE to a captured nic: fails at once, not by timeout"
+            }
+            Intended::LoopbackSourceRefused => {
+                "loopback source off the pod: EPERM whatever route_localnet (istio: EINVAL, or REDIRECT with it on)"
             }
         }
     }
@@ -240,7 +248,8 @@ pub(super) const TABLE: &[Row] = {
         // Sockets bound to the inbound passthrough address first.
         row(Defaults, ProxyBound, SelfIp, 8080, BOTH),
         row(Defaults, AppBound, SelfIp, 8080, BOTH),
-        row(Defaults, AppBound, Peer, 80, BOTH),
+        mark(row(Defaults, AppBound, Peer, 80, V4_ONLY), LoopbackSourceRefused),
+        row(Defaults, AppBound, Peer, 80, V6_ONLY),
         // Inbound from another pod and from the node.
         mark(row(Defaults, OtherPod, SelfIp, 8080, BOTH), SkAssign),
         mark(row(Defaults, OtherPod, SelfIp, 9090, V4_ONLY), SkAssign),

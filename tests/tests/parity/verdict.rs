@@ -77,6 +77,7 @@ fn intended_outcome(why: Intended, sc: &Scenario, oracle: &Outcome, names: &Name
             }
         }
         Intended::BoundDeviceV6 => Outcome::failed(libc::ENETUNREACH.into()),
+        Intended::LoopbackSourceRefused => Outcome::failed(libc::EPERM.into()),
         // Not redirected: netfilter's ENOENT, except SOL_IPV6 on an IPv4 socket, which the kernel
         // refuses itself.
         Intended::ExcludeWins => Outcome {

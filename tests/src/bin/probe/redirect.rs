@@ -117,10 +117,7 @@ pub(super) fn proxy(
 ) -> i32 {
     let mut listeners = Vec::new();
     for addr in addrs {
-        match listen_marked(*addr, v6only, transparent, bind_mark).and_then(|l| {
-            clear_mark(l.as_raw_fd(), bind_mark)?;
-            Ok(l)
-        }) {
+        match listen_marked(*addr, v6only, transparent, bind_mark) {
             Ok(l) => listeners.push((l, addr.to_string())),
             Err(e) => {
                 eprintln!("probe: bind {addr}: {e}");
@@ -179,9 +176,10 @@ pub(super) fn udp_serve(addr: SocketAddr, name: Option<&str>, bind_mark: Option<
     0
 }
 
-/// `--bind-mark`: the socket carried the mark to bind (in an ambient pod only ztunnel's marked
-/// sockets may bind its ports); cleared once bound, so that what the socket sends and accepts
-/// stays unmarked, as these stand-ins always were in the parity tables.
+/// `udp-serve --bind-mark`: the socket carried the mark to bind (in an ambient pod only
+/// ztunnel's marked sockets may bind its ports); cleared once bound, so that its replies stay
+/// unmarked, as this stand-in's always were in the DNS parity table. (A TCP listener keeps its
+/// mark, as ztunnel's does: tc's inbound capture checks it at every SYN.)
 fn clear_mark(fd: std::os::fd::RawFd, bind_mark: Option<i32>) -> std::io::Result<()> {
     if bind_mark.is_some() {
         crate::sock::set_int(fd, libc::SOL_SOCKET, libc::SO_MARK, 0)?;
