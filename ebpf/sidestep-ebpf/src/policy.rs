@@ -327,8 +327,15 @@ pub fn outbound_verdict(c: &Connect) -> Verdict {
     // An IPv4 socket bound to a loopback address, to a destination off the pod. The route lookup
     // refuses it (EINVAL) unless `route_localnet` is on, which kube-proxy sets on the node and a
     // new netns copies; then rule 2 below does not match it (not `-o lo`) and Istio captures it.
-    // It is refused rather than redirected: no proxy or app makes such a connection on purpose.
-    if !local_dst && is_v4_mapped(&c.bound_src) && is_loopback(&c.bound_src) {
+    // It is refused rather than redirected: no app makes such a connection on purpose. The
+    // proxy's own (its hand-off from 127.0.0.6 to a pod address enrolment did not list, say)
+    // goes on down the chain, which passes it as Istio's rule 5 does.
+    if !local_dst
+        && is_v4_mapped(&c.bound_src)
+        && is_loopback(&c.bound_src)
+        && c.uid != p.proxy_uid
+        && c.gid != p.proxy_gid
+    {
         return Verdict::refuse(rule::LOOPBACK_SOURCE_OFF_POD);
     }
     // 2. -o lo -s 127.0.0.6: the proxy's inbound passthrough to the app.

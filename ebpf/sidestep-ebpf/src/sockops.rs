@@ -185,12 +185,19 @@ unsafe fn on_self_connect(ctx: &SockOpsContext) {
     }
     // SAFETY: valid sock_ops context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    // The same address on both ends covers what the pod map does not name (a link-local one).
+    // The same address on both ends, or the proxy's hand-off from ::6, covers what the pod map
+    // does not name (a link-local or later address); those two ask for the pod's entry, since
+    // any netns of the node makes such connections. A pod address names an enrolled pod.
     let same = local[0] == remote[0]
         && local[1] == remote[1]
         && local[2] == remote[2]
         && local[3] == remote[3];
-    if !same && !crate::policy::is_pod_address(netns_cookie, &remote) {
+    let unnamed = same || crate::policy::is_passthrough_source(&local);
+    if unnamed {
+        if crate::policy::pod_policy(netns_cookie).is_none() {
+            return;
+        }
+    } else if !crate::policy::is_pod_address(netns_cookie, &remote) {
         return;
     }
     let key = TupleKey::new(netns_cookie, (local, local_port), (remote, remote_port));

@@ -10,9 +10,11 @@
 //! also covers a captured socket that sets it once connected. Clearing it (an empty value) is
 //! allowed.
 //!
-//! What this hook cannot see: a routing header passed per datagram in sendmsg's control data.
-//! TCP ignores those; UDP honours them, and the UDP it concerns is DNS (see docs/RELIABILITY.md,
-//! the threat table).
+//! What this hook cannot see (docs/RELIABILITY.md, the threat table): a routing header or an
+//! IPv4 source route passed per datagram in sendmsg's control data (TCP ignores those; UDP
+//! honours them, and the UDP it concerns is DNS; IPv4's needs CAP_NET_RAW); a setsockopt from a
+//! 32-bit (compat) process, for which the kernel does not run cgroup sockopt programs; and an
+//! option a socket set before its pod was enrolled (an agent repair of a running pod).
 
 use aya_ebpf::{
     EbpfContext, helpers::generated::bpf_get_netns_cookie, macros::cgroup_sockopt,
@@ -58,31 +60,30 @@ unsafe fn refuses(ctx: &SockoptContext) -> bool {
             load(&raw const (*so).optlen),
         )
     };
-    if optlen > PAGE_SIZE {
-        // None of the options below is this long; hand the caller's buffer back untouched.
-        // SAFETY: writable context field.
-        unsafe { store(&raw mut (*so).optlen, 0) };
-        return false;
-    }
     // An empty value clears the option: always allowed.
-    if optlen <= 0 {
-        return false;
-    }
-    let routes = match (level, optname) {
-        (linux::SOL_IPV6, linux::IPV6_RTHDR) | (linux::SOL_IPV6, linux::IPV6_2292PKTOPTIONS) => {
-            true
-        }
-        // SAFETY: context pointer fields; the scan checks every byte against optval_end.
-        (linux::SOL_IP, linux::IP_OPTIONS) => unsafe {
-            has_source_route(
-                (*so).__bindgen_anon_2.optval.cast::<u8>(),
-                (*so).__bindgen_anon_3.optval_end.cast::<u8>(),
-                optlen as usize,
-            )
-        },
-        _ => false,
-    };
+    let routes = optlen > 0
+        && match (level, optname) {
+            // Refused whatever their length: IPV6_2292PKTOPTIONS takes up to 64 KiB of control
+            // messages, past what the program can read, and a routing header may sit anywhere.
+            (linux::SOL_IPV6, linux::IPV6_RTHDR)
+            | (linux::SOL_IPV6, linux::IPV6_2292PKTOPTIONS) => true,
+            // The kernel takes at most 40 bytes, all of them readable here.
+            // SAFETY: context pointer fields; the scan checks every byte against optval_end.
+            (linux::SOL_IP, linux::IP_OPTIONS) => unsafe {
+                has_source_route(
+                    (*so).__bindgen_anon_2.optval.cast::<u8>(),
+                    (*so).__bindgen_anon_3.optval_end.cast::<u8>(),
+                    optlen as usize,
+                )
+            },
+            _ => false,
+        };
     if !routes {
+        if optlen > PAGE_SIZE {
+            // Past a page the program sees only the start; hand the caller's buffer back.
+            // SAFETY: writable context field.
+            unsafe { store(&raw mut (*so).optlen, 0) };
+        }
         return false;
     }
     // SAFETY: valid sockopt context.

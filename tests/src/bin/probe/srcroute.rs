@@ -3,6 +3,8 @@
 //! only looks at connect()'s address. KIND:
 //! - `rthdr`: `IPV6_RTHDR` with a type-4 segment routing header (no privilege needed);
 //! - `pktoptions`: `IPV6_2292PKTOPTIONS` holding a type-2 routing header control message;
+//! - `pktoptions-long`: the same behind a 4,200-byte control message the kernel skips, so the
+//!   whole value is longer than a page (a cgroup sockopt program sees only the first page);
 //! - `lsrr`: IPv4 `IP_OPTIONS` with a loose source route (needs CAP_NET_RAW).
 //!
 //! With `--after`, the option is set once the connection is up, and a write follows. Prints
@@ -28,6 +30,7 @@ const IPOPT_NOOP: u8 = 1;
 pub(super) enum Kind {
     Rthdr,
     PktOptions,
+    PktOptionsLong,
     Lsrr,
 }
 
@@ -36,6 +39,7 @@ impl Kind {
         match text {
             "rthdr" => Kind::Rthdr,
             "pktoptions" => Kind::PktOptions,
+            "pktoptions-long" => Kind::PktOptionsLong,
             "lsrr" => Kind::Lsrr,
             other => panic!("probe: srcroute KIND is rthdr, pktoptions or lsrr, not {other:?}"),
         }
@@ -74,6 +78,17 @@ fn pktoptions_routing_header(via: IpAddr) -> Vec<u8> {
     buf
 }
 
+/// A control message of `len` data bytes at level SOL_IP, which IPV6_2292PKTOPTIONS skips.
+fn skipped_control_message(len: usize) -> Vec<u8> {
+    let header = std::mem::size_of::<libc::cmsghdr>();
+    let mut buf = Vec::with_capacity(header + len);
+    buf.extend_from_slice(&(header + len).to_ne_bytes());
+    buf.extend_from_slice(&libc::IPPROTO_IP.to_ne_bytes());
+    buf.extend_from_slice(&0i32.to_ne_bytes());
+    buf.resize(header + len, 0);
+    buf
+}
+
 /// An IPv4 loose source route through `via`, padded to a multiple of four bytes.
 fn loose_source_route(via: IpAddr) -> Vec<u8> {
     let IpAddr::V4(via) = via else {
@@ -91,6 +106,15 @@ fn set_route(fd: RawFd, kind: Kind, via: IpAddr) -> std::io::Result<()> {
             libc::IPPROTO_IPV6,
             IPV6_2292PKTOPTIONS,
             pktoptions_routing_header(via),
+        ),
+        Kind::PktOptionsLong => (
+            libc::IPPROTO_IPV6,
+            IPV6_2292PKTOPTIONS,
+            [
+                skipped_control_message(4200),
+                pktoptions_routing_header(via),
+            ]
+            .concat(),
         ),
         Kind::Lsrr => (libc::IPPROTO_IP, libc::IP_OPTIONS, loose_source_route(via)),
     };
