@@ -144,6 +144,11 @@ pub fn control_plane_args(name: &str, state: &State, pki: &Pki, layout: &Layout)
         list.extend([
             flag("service-account-private-key-file", pki.file("sa.key")),
             flag("root-ca-file", pki.file("ca.crt")),
+            // Its default, /usr/libexec/kubernetes/kubelet-plugins/volume/exec, is created at start.
+            flag(
+                "flex-volume-plugin-dir",
+                layout.at("kube-controller-manager/flexvolume"),
+            ),
             flag("cluster-signing-cert-file", pki.file("ca.crt")),
             flag("cluster-signing-key-file", pki.file("ca.key")),
         ]);
@@ -177,6 +182,10 @@ temp = "{temp}"
 
 [plugins.'io.containerd.cri.v1.runtime']
   disable_apparmor = true
+  # This machine's root lacks CAP_SYS_RESOURCE, so runc cannot lower a sandbox's
+  # oom_score_adj to kubelet's -998 ("nsexec: failed to update /proc/self/oom_score_adj:
+  # Permission denied"): keep every pod's at or above containerd's own.
+  restrict_oom_score_adj = true
   # Pod netns under the state directory, not /var/run/netns among other users' netns.
   netns_mounts_under_state_dir = true
   enable_cdi = false
@@ -320,10 +329,25 @@ pub fn smoke_pod() -> String {
 /// Directories outside the scratch directory that kubelet or containerd create at hard-coded
 /// paths: removed by `down` when they did not exist before `up` (and are empty by then).
 pub const HOST_DIRS: &[&str] = &[
+    // kubelet's links to the pod logs in podLogsDir.
     "/var/log/containers",
+    // The shims' sockets, in /run/containerd/s whatever containerd's state directory.
     "/run/containerd",
+    // libcni's result cache.
     "/var/lib/cni",
     "/var/lib/cni/results",
+    // kubelet's device-plugin socket: a constant in the device plugin API, not below --root-dir.
+    "/var/lib/kubelet",
+    "/var/lib/kubelet/device-plugins",
+    // kube-controller-manager's flex volume default; moved by a flag, listed in case.
+    "/usr/libexec/kubernetes",
+];
+
+/// Files the node leaves in HOST_DIRS: removed by `down` when their directory did not exist
+/// before `up` (so no other kubelet can own them).
+pub const HOST_FILES: &[&str] = &[
+    "/var/lib/kubelet/device-plugins/kubelet.sock",
+    "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint",
 ];
 
 pub fn path_list(paths: &[PathBuf]) -> String {

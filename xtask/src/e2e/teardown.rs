@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 
 use super::Phases;
-use super::config::{BRIDGE, NETWORK};
+use super::config::{self, BRIDGE, NETWORK};
 use super::host;
 use super::node::DAEMONS;
 use super::state::State;
@@ -231,6 +231,12 @@ fn remove_host_state(state: &State) {
     let restored = host::restore_sysctls(&state.sysctls);
     if !restored.is_empty() {
         println!("  restored sysctls: {}", restored.join(" "));
+    }
+    for file in config::HOST_FILES.iter().map(Path::new) {
+        let parent = file.parent().unwrap_or(Path::new("/"));
+        if state.host_dirs_absent_before.iter().any(|d| d == parent) {
+            let _ = fs::remove_file(file);
+        }
     }
     // Deepest first; only empty ones, so another user's files are never touched.
     let mut dirs = state.host_dirs_absent_before.clone();
