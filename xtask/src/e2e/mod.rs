@@ -45,6 +45,10 @@ pub enum E2eTask {
         /// Scratch directory; must not exist yet.
         #[arg(long, default_value = DEFAULT_DIR)]
         dir: PathBuf,
+        /// Start this daemon (etcd, kube-apiserver, ..., kubelet) with a flag it rejects, to
+        /// see the failure path: the daemon named with its log's tail, then a full teardown.
+        #[arg(long, value_name = "DAEMON", value_parser = clap::builder::PossibleValuesParser::new(node::DAEMONS))]
+        fail: Option<String>,
     },
     /// Stop the node and remove everything it made; nothing to do when no node is up.
     Down {
@@ -66,7 +70,7 @@ pub fn run(task: E2eTask) -> Result<()> {
             built.print_versions()?;
             Ok(())
         }
-        E2eTask::Up { dir } => node::up(&dir),
+        E2eTask::Up { dir, fail } => node::up(&dir, fail.as_deref()),
         E2eTask::Down { dir } => teardown::down(&dir),
     }
 }

@@ -29,7 +29,7 @@ pub const DAEMONS: &[&str] = &[
     "kubelet",
 ];
 
-pub fn up(dir: &Path) -> Result<()> {
+pub fn up(dir: &Path, fail: Option<&str>) -> Result<()> {
     if State::path(dir).exists() {
         bail!(
             "a node is already up in {}\n  fix: cargo xtask e2e down --dir {0}",
@@ -60,6 +60,7 @@ pub fn up(dir: &Path) -> Result<()> {
         built,
         state: State::default(),
         children: Vec::new(),
+        fail: fail.map(str::to_owned),
     };
     match node.bring_up(&mut phases) {
         Ok(()) => {
@@ -75,7 +76,8 @@ pub fn up(dir: &Path) -> Result<()> {
             Ok(())
         }
         Err(e) => {
-            eprintln!("\ne2e up failed: {e:#}\ntearing the node down");
+            // The error itself is printed last, after the teardown's output.
+            eprintln!("\ne2e up failed; tearing the node down");
             // The children must not be left as zombies of ours for `down` to see them gone.
             drop(node.children);
             if let Err(down) = teardown::down(dir) {
@@ -93,6 +95,8 @@ struct Node {
     /// Our own children, so a daemon that exits is noticed at once (as a zombie of ours it
     /// would still look alive in /proc).
     children: Vec<(String, Child)>,
+    /// The daemon to start with a flag it rejects (`up --fail`).
+    fail: Option<String>,
 }
 
 impl Node {
@@ -198,6 +202,10 @@ impl Node {
         self.state.save()?;
         let log = fs::File::create(self.layout.log(name))?;
         let procs = host::cgroup_procs_files(&cgroup)?;
+        let mut args = args;
+        if self.fail.as_deref() == Some(name) {
+            args.push("--sidestep-e2e-fails-on-purpose".into());
+        }
         let mut command = Command::new("sh");
         command
             .arg("-c")
