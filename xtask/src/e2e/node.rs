@@ -42,6 +42,17 @@ pub fn up(dir: &Path, fail: Option<&str>) -> Result<()> {
             dir.display()
         );
     }
+    // One node per machine: the bridge, the subnet and the cgroup name are fixed.
+    if Cmd::new("ip")
+        .args(["link", "show", config::BRIDGE])
+        .read()
+        .is_ok()
+    {
+        bail!(
+            "bridge {} exists: another e2e node is up on this machine\n  fix: cargo xtask e2e down --dir <its dir>",
+            config::BRIDGE
+        );
+    }
     crate::packages::ensure_packages(&[
         "runc",
         "containernetworking-plugins",
