@@ -357,3 +357,54 @@ pub fn path_list(paths: &[PathBuf]) -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> (Layout, State, Pki) {
+        let dir = PathBuf::from("/tmp/node-under-test");
+        let mut state = State {
+            dir: dir.clone(),
+            cgroup: "/session/sidestep-e2e".into(),
+            ..State::default()
+        };
+        state.ports.insert("kubelet".into(), 4242);
+        let pki = Pki {
+            dir: dir.join("pki"),
+        };
+        (Layout { dir }, state, pki)
+    }
+
+    /// Nothing the node writes may land in the host's own containerd, CNI or kubelet paths,
+    /// which podman and other tests on this machine use.
+    #[test]
+    fn every_path_is_inside_the_scratch_directory() {
+        let (layout, state, pki) = fixture();
+        let containerd = containerd_config(&layout);
+        for host_path in [
+            "/var/lib/containerd",
+            "/etc/cni/net.d",
+            "/opt/cni/bin",
+            "/run/containerd",
+        ] {
+            // Quoted: the scratch directory's own `.../run/containerd.sock` must not match.
+            for quote in ['"', '\''] {
+                assert!(
+                    !containerd.contains(&format!("{quote}{host_path}")),
+                    "containerd config names {host_path}"
+                );
+            }
+        }
+        assert!(containerd.contains("netns_mounts_under_state_dir = true"));
+        assert!(containerd.contains("restrict_oom_score_adj = true"));
+        let kubelet = kubelet_config(&layout, &state, &pki);
+        assert!(kubelet.contains("cgroupRoot: /session/sidestep-e2e/pods\n"));
+        assert!(kubelet.contains("failCgroupV1: false\n"));
+        assert!(kubelet.contains("address: 127.0.0.1\n"));
+        assert!(!kubelet.contains("/var/lib/kubelet"));
+        let conflist = cni_conflist(&layout);
+        assert!(conflist.contains("/tmp/node-under-test/cni/ipam"));
+        assert!(conflist.contains(BRIDGE));
+    }
+}
