@@ -3,6 +3,7 @@
 
 mod build;
 mod cmd;
+mod e2e;
 mod fuzz;
 mod linker;
 mod packages;
@@ -115,6 +116,9 @@ enum Task {
         #[arg(value_parser = ["cni", "scale", "ambient"])]
         mode: Option<String>,
     },
+    /// A real Kubernetes node on this machine: `e2e build`, `e2e up`, `e2e down` (issue 36).
+    #[command(subcommand)]
+    E2e(e2e::E2eTask),
     /// Build the fuzz targets (nightly) and run each in turn for a bounded time, at nice 19.
     Fuzz {
         /// Seconds per target.
@@ -198,6 +202,7 @@ fn run(task: Task) -> Result<ExitCode> {
             mode,
         } => return tasks::bench(quick, repeat, mode.as_deref()),
         Task::Fuzz { seconds, target } => return fuzz::run(seconds, target.as_deref()),
+        Task::E2e(task) => e2e::run(task)?,
     }
     Ok(ExitCode::SUCCESS)
 }
