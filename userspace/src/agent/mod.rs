@@ -416,6 +416,14 @@ impl Agent {
 
     /// One reconcile; the report is kept for /readyz and /metrics.
     pub fn reconcile(&self) -> Report {
+        if self.settings.uninstall_requested_now() {
+            // The preStop uninstall runs while this agent still does: restoring what it
+            // removes would undo it.
+            return Report {
+                errors: vec!["uninstall requested: not restoring or repairing anything".into()],
+                ..Report::default()
+            };
+        }
         let network = lock(&self.network).clone();
         if let Err(e) = self.install_binary() {
             tracing::warn!(error = %format!("{e:#}"), "reinstalling the CNI plugin");

@@ -101,6 +101,9 @@ pub struct Settings {
     pub ztunnel_socket: PathBuf,
     pub pod_namespace: String,
     pub uninstall_requested: bool,
+    /// The configuration file or directory (a mounted ConfigMap), re-read for
+    /// [`Settings::uninstall_requested_now`].
+    pub config_path: Option<PathBuf>,
     pub bpf_object: Option<PathBuf>,
 }
 
@@ -334,6 +337,19 @@ pub fn read_config(path: &Path) -> Result<BTreeMap<String, String>, SettingsErro
 }
 
 impl Settings {
+    /// Whether an uninstall is requested now: at start, or since, in the configuration that the
+    /// preStop `sidestep uninstall --if-requested` reads. While it is, the agent restores
+    /// nothing (the CNI entry, the plugin binary, the pins) that the uninstall takes away.
+    pub fn uninstall_requested_now(&self) -> bool {
+        self.uninstall_requested
+            || self.config_path.as_deref().is_some_and(|p| {
+                read_config(p)
+                    .ok()
+                    .and_then(|c| c.get("uninstall-requested").cloned())
+                    .is_some_and(|v| v.trim() == "true")
+            })
+    }
+
     /// Resolves and validates. `log_level` is the global `--log-level`/`SIDESTEP_LOG`, if given.
     pub fn resolve(args: &AgentArgs, log_level: Option<&str>) -> Result<Self, SettingsError> {
         let config = match &args.config {
@@ -539,6 +555,7 @@ impl Settings {
             )?,
             pod_namespace: r.string("pod-namespace", ""),
             uninstall_requested: r.boolean("uninstall-requested", false)?,
+            config_path: args.config.clone(),
             bpf_object: r
                 .get("bpf-object")
                 .map(|(v, origin)| {

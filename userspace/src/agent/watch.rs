@@ -43,6 +43,7 @@ async fn blocking<T: Send + 'static>(
 
 async fn cni_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
     let mut waiting_logged = false;
+    let mut uninstall_logged = false;
     let mut wait = Duration::ZERO;
     loop {
         tokio::select! {
@@ -54,6 +55,13 @@ async fn cni_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
             _ = sleep(wait) => {}
         }
         wait = Duration::from_secs(5);
+        if agent.settings.uninstall_requested_now() {
+            if !uninstall_logged {
+                tracing::info!("uninstall requested: the CNI entry is not restored");
+                uninstall_logged = true;
+            }
+            continue;
+        }
         match blocking(&agent, |a| a.ensure_cni()).await {
             Some(Ok(done)) => {
                 match &done {
@@ -91,6 +99,9 @@ async fn kubeconfig_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
             _ = sleep(Duration::from_secs(30)) => {}
         }
         while rx.try_recv().is_ok() {}
+        if agent.settings.uninstall_requested_now() {
+            continue;
+        }
         if let Some(Err(e)) = blocking(&agent, |a| a.refresh_kubeconfig()).await {
             tracing::warn!(error = %format!("{e:#}"), "kubeconfig");
         }

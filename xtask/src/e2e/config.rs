@@ -48,6 +48,10 @@ impl Layout {
     pub fn pod_logs(&self) -> PathBuf {
         self.at("pod-logs")
     }
+    /// Where containerd mounts pod netns (`netns_mounts_under_state_dir`).
+    pub fn pod_netns_dir(&self) -> PathBuf {
+        self.at("containerd/state/io.containerd.grpc.v1.cri/netns")
+    }
 }
 
 fn args(list: &[&str]) -> Vec<OsString> {
@@ -290,6 +294,9 @@ evictionHard: {{memory.available: 100Mi, nodefs.available: 1%, imagefs.available
 resolvConf: ""
 clusterDomain: cluster.local
 serializeImagePulls: false
+# ConfigMap volumes follow a change at the pod's next sync (1 min by default): the uninstall
+# scenario waits for uninstall-requested to reach the agent's volume.
+syncFrequency: 10s
 "#,
         port = state.port("kubelet"),
         healthz = state.port("kubelet-healthz"),

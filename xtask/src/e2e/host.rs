@@ -252,6 +252,33 @@ pub fn mounts_under(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(points)
 }
 
+/// Where the host's bpffs is mounted.
+pub const BPFFS: &str = "/sys/fs/bpf";
+
+/// A mount's propagation as findmnt prints it (`private`, `shared`, `private,slave`...), or
+/// None when nothing is mounted exactly there.
+pub fn propagation(point: &Path) -> Result<Option<String>> {
+    let out = Cmd::new("findmnt")
+        .args(["--noheadings", "--output", "PROPAGATION", "--mountpoint"])
+        .arg(point)
+        .read();
+    Ok(out
+        .ok()
+        .map(|o| o.trim().to_owned())
+        .filter(|o| !o.is_empty()))
+}
+
+pub fn make_propagation(point: &Path, flag: &str) -> Result<()> {
+    Cmd::new("mount").arg(flag).arg(point).read()?;
+    Ok(())
+}
+
+/// Bind-mount `dir` onto itself and make it (recursively) shared.
+pub fn bind_shared(dir: &Path) -> Result<()> {
+    Cmd::new("mount").arg("--bind").arg(dir).arg(dir).read()?;
+    make_propagation(dir, "--make-rshared")
+}
+
 /// umount(2), falling back to a lazy detach for a mount that is still busy.
 pub fn unmount(point: &Path) -> Result<()> {
     let path = CString::new(point.as_os_str().as_bytes())?;

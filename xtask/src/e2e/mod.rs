@@ -8,8 +8,12 @@ mod components;
 mod config;
 mod host;
 mod images;
+mod install;
+mod kubectl;
 mod node;
 mod pki;
+mod run;
+mod scenarios;
 mod state;
 mod teardown;
 
@@ -29,6 +33,24 @@ pub const CONTAINERD_VERSION: &str = "v2.3.7";
 
 /// The default scratch directory; `down` finds the node through the state file in it.
 const DEFAULT_DIR: &str = "/tmp/sidestep-e2e";
+
+/// `cargo xtask e2e [TASK]`: without a task, the whole run.
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct E2eArgs {
+    #[command(subcommand)]
+    task: Option<E2eTask>,
+    /// Scratch directory for the whole run; must not exist yet.
+    #[arg(long, default_value = DEFAULT_DIR)]
+    dir: PathBuf,
+    /// The negative control: install sidestep with its plugin chained into a conflist that
+    /// containerd does not read (and repair off). The capture scenarios must then fail.
+    #[arg(long)]
+    without_sidestep: bool,
+    /// Leave the node up after the scenarios, for a look (`cargo xtask e2e down` removes it).
+    #[arg(long)]
+    keep: bool,
+}
 
 #[derive(Subcommand)]
 pub enum E2eTask {
@@ -57,10 +79,13 @@ pub enum E2eTask {
     },
 }
 
-pub fn run(task: E2eTask) -> Result<()> {
+pub fn run(args: E2eArgs) -> Result<()> {
     if !crate::cmd::is_root() {
         bail!("e2e needs root: it starts kubelet and containerd and manages cgroups");
     }
+    let Some(task) = args.task else {
+        return run::whole(&args.dir, args.without_sidestep, args.keep);
+    };
     match task {
         E2eTask::Build { separate } => {
             let built = components::build_all()?;
@@ -72,6 +97,19 @@ pub fn run(task: E2eTask) -> Result<()> {
         }
         E2eTask::Up { dir, fail } => node::up(&dir, fail.as_deref()),
         E2eTask::Down { dir } => teardown::down(&dir),
+    }
+}
+
+/// `cargo xtask e2e` as part of `cargo xtask test`: its result as an exit code, so the
+/// kernel matrix still runs after a failure.
+pub fn test_run() -> std::process::ExitCode {
+    println!("\n=== real node: cargo xtask e2e");
+    match run::whole(std::path::Path::new(DEFAULT_DIR), false, false) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("e2e failed: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 

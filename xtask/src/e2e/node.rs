@@ -14,6 +14,7 @@ use super::components::{self, Built};
 use super::config::{self, Layout, NODE_NAME};
 use super::host;
 use super::images;
+use super::kubectl::Kubectl;
 use super::pki::{self, Pki};
 use super::state::State;
 use super::teardown;
@@ -30,6 +31,18 @@ pub const DAEMONS: &[&str] = &[
 ];
 
 pub fn up(dir: &Path, fail: Option<&str>) -> Result<()> {
+    let mut phases = Phases::default();
+    let node = start(dir, fail, &mut phases)?;
+    node.built.print_versions()?;
+    phases.print("e2e up: wall time per phase");
+    println!("\nnode {NODE_NAME} is Ready; it keeps running until `cargo xtask e2e down`");
+    println!("  export KUBECONFIG={}", node.kubectl.kubeconfig.display());
+    println!("  {} get nodes,pods -A", node.kubectl.bin.display());
+    Ok(())
+}
+
+/// Refuse to start over another node; install the Debian packages the node uses.
+fn preflight(dir: &Path) -> Result<()> {
     if State::path(dir).exists() {
         bail!(
             "a node is already up in {}\n  fix: cargo xtask e2e down --dir {0}",
@@ -60,9 +73,25 @@ pub fn up(dir: &Path, fail: Option<&str>) -> Result<()> {
         "iptables",
         "iproute2",
         "curl",
-    ])?;
+    ])
+}
 
-    let mut phases = Phases::default();
+/// A node that is up: what the scenarios need to drive it.
+pub struct Running {
+    pub layout: Layout,
+    pub built: Built,
+    pub kubectl: Kubectl,
+    pub apiserver_port: u16,
+    /// kubelet's pod cgroup (`<cgroupRoot>/kubepods`), relative to each hierarchy's root.
+    pub pods_cgroup: String,
+    /// Our daemons, not reaped while they run; `down` stops them.
+    _children: Vec<(String, Child)>,
+}
+
+/// Build (or find) the components and bring the node up; on failure, tear down what was made
+/// and return the error.
+pub fn start(dir: &Path, fail: Option<&str>, phases: &mut Phases) -> Result<Running> {
+    preflight(dir)?;
     let built = phases.time("build (or cache)", components::build_all)?;
     let mut node = Node {
         layout: Layout {
@@ -73,19 +102,18 @@ pub fn up(dir: &Path, fail: Option<&str>) -> Result<()> {
         children: Vec::new(),
         fail: fail.map(str::to_owned),
     };
-    match node.bring_up(&mut phases) {
-        Ok(()) => {
-            node.built.print_versions()?;
-            phases.print("e2e up: wall time per phase");
-            let kubeconfig = node.layout.at("pki/admin.kubeconfig");
-            println!("\nnode {NODE_NAME} is Ready; it keeps running until `cargo xtask e2e down`");
-            println!("  export KUBECONFIG={}", kubeconfig.display());
-            println!(
-                "  {} get nodes,pods -A",
-                node.built.kube("kubectl").display()
-            );
-            Ok(())
-        }
+    match node.bring_up(phases) {
+        Ok(()) => Ok(Running {
+            kubectl: Kubectl {
+                bin: node.built.kube("kubectl"),
+                kubeconfig: node.layout.at("pki/admin.kubeconfig"),
+            },
+            apiserver_port: node.state.port("apiserver"),
+            pods_cgroup: format!("{}/kubepods", config::pods_cgroup(&node.state)),
+            layout: node.layout,
+            built: node.built,
+            _children: node.children,
+        }),
         Err(e) => {
             // The error itself is printed last, after the teardown's output.
             eprintln!("\ne2e up failed; tearing the node down");
@@ -187,6 +215,15 @@ impl Node {
             .filter(|d| !d.exists())
             .collect();
         self.state.save()?;
+        // HostToContainer volumes (the agent's bpffs and pod netns) need the host side shared
+        // or slave, as systemd leaves every mount; this machine's are private. The scratch
+        // directory becomes a shared mount of its own (unmounted by `down` with the rest).
+        host::bind_shared(&l.dir)?;
+        if host::propagation(Path::new(host::BPFFS))?.as_deref() == Some("private") {
+            self.state.bpffs_made_shared = true;
+            self.state.save()?;
+            host::make_propagation(Path::new(host::BPFFS), "--make-shared")?;
+        }
         let created = host::create_cgroup(&config::pods_cgroup(&self.state))?;
         self.state.cgroups_created.extend(created);
         self.state.save()?;
@@ -329,12 +366,17 @@ impl Node {
                 .read()
                 .is_ok()
         })?;
-        let archive = images::single_binary_archive(
+        let archive = images::archive(
             &self.layout.at("images"),
-            &images::pause_image(),
-            &self.built.pause,
-            "pause",
-            "65535:65535",
+            &images::ImageSpec {
+                name: images::pause_image(),
+                files: vec![(self.built.pause.clone(), "/pause".into())],
+                symlinks: Vec::new(),
+                dirs: Vec::new(),
+                entrypoint: vec!["/pause".into()],
+                cmd: Vec::new(),
+                user: "65535:65535".into(),
+            },
         )?;
         images::import(&ctr, &socket, &archive)?;
         println!("  imported {}", images::pause_image());

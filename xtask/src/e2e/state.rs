@@ -28,6 +28,10 @@ pub struct State {
     /// Host directories outside the scratch directory that did not exist before `up`;
     /// kubelet and containerd create them at hard-coded paths.
     pub host_dirs_absent_before: Vec<PathBuf>,
+    /// /sys/fs/bpf was a private mount that `up` made shared, for the agent's HostToContainer
+    /// bpffs volume; `down` makes it private again.
+    #[serde(default)]
+    pub bpffs_made_shared: bool,
     /// Daemon name -> pid, in start order.
     pub daemons: Vec<(String, i32)>,
     pub ports: BTreeMap<String, u16>,

@@ -51,6 +51,15 @@ pub fn down(dir: &Path) -> Result<()> {
         Ok(())
     })?;
     phases.time("unmount", || unmount_all(&dir))?;
+    if state.bpffs_made_shared {
+        phases.time("bpffs propagation", || {
+            host::make_propagation(Path::new(host::BPFFS), "--make-private")
+        })?;
+    }
+    phases.time("sidestep pins", || {
+        remove_pins();
+        Ok(())
+    })?;
     phases.time("host state", || {
         remove_host_state(&state);
         Ok(())
@@ -297,9 +306,31 @@ fn remove_cgroups(state: &State) {
     }
 }
 
+/// The agent's pins (its own pin root): the cgroup links pinned there hold kubelet's pod
+/// cgroup, which could not go away while they exist.
+fn remove_pins() {
+    let root = Path::new(super::install::PIN_ROOT);
+    if root.exists()
+        && let Err(e) = fs::remove_dir_all(root)
+    {
+        println!("  removing {}: {e}", root.display());
+    }
+}
+
 /// What is still there; empty when the host is as before `up`.
 fn leftovers(state: &State) -> Vec<String> {
     let mut left = Vec::new();
+    if state.bpffs_made_shared
+        && host::propagation(Path::new(host::BPFFS))
+            .ok()
+            .flatten()
+            .is_some_and(|p| p != "private")
+    {
+        left.push(format!("{} is not private again", host::BPFFS));
+    }
+    if Path::new(super::install::PIN_ROOT).exists() {
+        left.push(format!("pins {}", super::install::PIN_ROOT));
+    }
     let mut pids: BTreeSet<i32> = host::pids_mentioning(&state.dir);
     for mount in host::cgroup_mounts().unwrap_or_default() {
         let root = host::join_cgroup(&mount, &state.cgroup);
