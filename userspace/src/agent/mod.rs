@@ -325,6 +325,12 @@ impl Agent {
                 }
             }
         }
+        if s.uninstall_requested_now() {
+            missing.push(
+                "uninstall-requested is set: the agent restores nothing; unset it to install"
+                    .into(),
+            );
+        }
         if !s.installed_binary().is_file() {
             missing.push(format!(
                 "{} is not installed",

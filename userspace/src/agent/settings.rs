@@ -338,15 +338,17 @@ pub fn read_config(path: &Path) -> Result<BTreeMap<String, String>, SettingsErro
 
 impl Settings {
     /// Whether an uninstall is requested now: at start, or since, in the configuration that the
-    /// preStop `sidestep uninstall --if-requested` reads. While it is, the agent restores
-    /// nothing (the CNI entry, the plugin binary, the pins) that the uninstall takes away.
+    /// preStop `sidestep uninstall --if-requested` reads (parsed as it parses it). While it is,
+    /// the agent restores nothing that the uninstall takes away: the CNI entry, the plugin
+    /// binary, the kubeconfig, the pins. A configuration that cannot be read counts as not
+    /// requested: the agent keeps the node working.
     pub fn uninstall_requested_now(&self) -> bool {
         self.uninstall_requested
             || self.config_path.as_deref().is_some_and(|p| {
                 read_config(p)
                     .ok()
                     .and_then(|c| c.get("uninstall-requested").cloned())
-                    .is_some_and(|v| v.trim() == "true")
+                    .is_some_and(|v| parse_bool(v.trim()) == Ok(true))
             })
     }
 
@@ -398,6 +400,21 @@ impl Settings {
             (None, None) => PluginTemplate::parse(template::DEFAULT_TEMPLATE)
                 .map_err(|e| Resolver::err("plugin-json", "default", e))?,
         };
+        let ambient = r.boolean("ambient", false)?;
+        // The plugin refuses every ADD with such an entry; refuse it here instead, where
+        // the operator looks, before the node's pods fail to start.
+        let mesh = template.mesh();
+        if ambient && mesh.is_some_and(|m| m != "istio") {
+            return Err(Resolver::err(
+                "ambient",
+                "configuration",
+                format!(
+                    "ambient mode is Istio's, and the plugin's mesh is {:?}: set ambient \
+                     to false or mesh to \"istio\"",
+                    mesh.unwrap_or_default()
+                ),
+            ));
+        }
         let cni_binary = r.parse("cni-binary", default_cni_binary, |v| {
             let p = absolute(v)?;
             if !p.is_file() {
@@ -547,7 +564,7 @@ impl Settings {
             )?,
             node_name: r.string("node-name", ""),
             readiness_taint: r.parse("readiness-taint", || Ok(None), parse_taint_key)?,
-            ambient: r.boolean("ambient", false)?,
+            ambient,
             ztunnel_socket: r.parse(
                 "ztunnel-socket",
                 || Ok(PathBuf::from(crate::zds::DEFAULT_SOCKET)),

@@ -145,6 +145,11 @@ impl PluginTemplate {
         Ok(Self { raw, plugin_type })
     }
 
+    /// The entry's `mesh` preset, when it names one.
+    pub fn mesh(&self) -> Option<&str> {
+        self.raw.get("mesh").and_then(Value::as_str)
+    }
+
     pub fn plugin_type(&self) -> &str {
         &self.plugin_type
     }

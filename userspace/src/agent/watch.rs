@@ -55,12 +55,16 @@ async fn cni_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
             _ = sleep(wait) => {}
         }
         wait = Duration::from_secs(5);
-        if agent.settings.uninstall_requested_now() {
+        let uninstalling = blocking(&agent, |a| a.settings.uninstall_requested_now()).await;
+        if uninstalling == Some(true) {
             if !uninstall_logged {
                 tracing::info!("uninstall requested: the CNI entry is not restored");
-                uninstall_logged = true;
             }
+            uninstall_logged = true;
             continue;
+        }
+        if std::mem::take(&mut uninstall_logged) {
+            tracing::info!("uninstall no longer requested: restoring the CNI entry");
         }
         match blocking(&agent, |a| a.ensure_cni()).await {
             Some(Ok(done)) => {
@@ -99,7 +103,7 @@ async fn kubeconfig_loop(agent: Arc<Agent>, mut rx: mpsc::Receiver<()>) {
             _ = sleep(Duration::from_secs(30)) => {}
         }
         while rx.try_recv().is_ok() {}
-        if agent.settings.uninstall_requested_now() {
+        if blocking(&agent, |a| a.settings.uninstall_requested_now()).await == Some(true) {
             continue;
         }
         if let Some(Err(e)) = blocking(&agent, |a| a.refresh_kubeconfig()).await {

@@ -297,6 +297,8 @@ serializeImagePulls: false
 # ConfigMap volumes follow a change at the pod's next sync (1 min by default): the uninstall
 # scenario waits for uninstall-requested to reach the agent's volume.
 syncFrequency: 10s
+# The restart scenario counts a sidecar's log lines, one per call: keep them in one file.
+containerLogMaxSize: 200Mi
 "#,
         port = state.port("kubelet"),
         healthz = state.port("kubelet-healthz"),

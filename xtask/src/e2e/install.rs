@@ -24,6 +24,8 @@ pub const PROXY_IMAGE: &str = "localhost/sidestep/proxy:e2e";
 pub const PIN_ROOT: &str = "/sys/fs/bpf/sidestep-e2e";
 
 pub const NAMESPACE: &str = "sidestep-system";
+/// The agent's pods, as deploy/daemonset.yaml labels them.
+pub const AGENT_SELECTOR: &str = "app.kubernetes.io/name=sidestep-agent";
 
 /// The project's binaries that go into the images.
 pub struct Binaries {
@@ -118,6 +120,8 @@ pub fn images(node: &Running, bins: &Binaries) -> Result<()> {
 pub struct OverlayOptions {
     /// deploy/components/ambient.
     pub ambient: bool,
+    /// deploy/components/readiness-taint.
+    pub readiness_taint: bool,
     /// The negative control: the agent chains the plugin into a conflist the runtime never
     /// reads, and repair is off, so nothing captures the pods.
     pub without_sidestep: bool,
@@ -130,8 +134,16 @@ pub fn write_overlay(node: &Running, options: OverlayOptions) -> Result<PathBuf>
     let deploy = crate::paths::workspace().join("deploy");
     let base = relative_path(&dir, &deploy)?;
     let mut components = String::new();
-    if options.ambient {
-        components += &format!("components:\n  - {base}/components/ambient\n");
+    for (on, name) in [
+        (options.ambient, "ambient"),
+        (options.readiness_taint, "readiness-taint"),
+    ] {
+        if on {
+            components += &format!("  - {base}/components/{name}\n");
+        }
+    }
+    if !components.is_empty() {
+        components = format!("components:\n{components}");
     }
     fs::write(
         dir.join("kustomization.yaml"),
@@ -250,13 +262,13 @@ data:
     Ok(dir)
 }
 
-/// `kubectl apply -k` the overlay, then wait for the agent to be Ready on the node.
+/// `kubectl apply -k` the overlay.
 pub fn apply(node: &Running, overlay: &Path) -> Result<()> {
     let out = node
         .kubectl
         .run(&["apply", "-k", &overlay.display().to_string()])?;
     println!("  {}", out.trim().replace('\n', "\n  "));
-    wait_agent_ready(node, Duration::from_secs(120))
+    Ok(())
 }
 
 pub fn wait_agent_ready(node: &Running, timeout: Duration) -> Result<()> {
@@ -290,7 +302,7 @@ pub fn wait_agent_ready(node: &Running, timeout: Duration) -> Result<()> {
 
 /// The cgroup2 mount point: /sys/fs/cgroup/unified on a hybrid host, /sys/fs/cgroup on a
 /// unified one.
-fn cgroup2_mount() -> Result<PathBuf> {
+pub fn cgroup2_mount() -> Result<PathBuf> {
     super::host::mountinfo()?
         .into_iter()
         .find(|m| m.fstype == "cgroup2")

@@ -50,6 +50,9 @@ pub struct E2eArgs {
     /// Leave the node up after the scenarios, for a look (`cargo xtask e2e down` removes it).
     #[arg(long)]
     keep: bool,
+    /// Start this daemon with a flag it rejects, to see the failure path (as `up --fail`).
+    #[arg(long, value_name = "DAEMON", value_parser = clap::builder::PossibleValuesParser::new(node::DAEMONS))]
+    fail: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -84,7 +87,14 @@ pub fn run(args: E2eArgs) -> Result<()> {
         bail!("e2e needs root: it starts kubelet and containerd and manages cgroups");
     }
     let Some(task) = args.task else {
-        return run::whole(&args.dir, args.without_sidestep, args.keep);
+        return run::whole(
+            &args.dir,
+            &run::Options {
+                without_sidestep: args.without_sidestep,
+                keep: args.keep,
+                fail: args.fail,
+            },
+        );
     };
     match task {
         E2eTask::Build { separate } => {
@@ -104,7 +114,11 @@ pub fn run(args: E2eArgs) -> Result<()> {
 /// kernel matrix still runs after a failure.
 pub fn test_run() -> std::process::ExitCode {
     println!("\n=== real node: cargo xtask e2e");
-    match run::whole(std::path::Path::new(DEFAULT_DIR), false, false) {
+    if !crate::cmd::is_root() {
+        eprintln!("e2e needs root: it starts kubelet and containerd and manages cgroups");
+        return std::process::ExitCode::FAILURE;
+    }
+    match run::whole(std::path::Path::new(DEFAULT_DIR), &run::Options::default()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("e2e failed: {e:#}");

@@ -233,3 +233,49 @@ fn readiness_taint_takes_true_a_key_or_nothing() {
         assert!(e.contains("not a taint key"), "{bad}: {e}");
     }
 }
+
+#[test]
+fn an_uninstall_requested_after_start_is_seen() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir_all(&config).unwrap();
+    fs::write(config.join("uninstall-requested"), "false").unwrap();
+    let args = AgentArgs {
+        config: Some(config.clone()),
+        ..base(dir.path())
+    };
+    let s = Settings::resolve(&args, None).unwrap();
+    assert!(!s.uninstall_requested_now());
+    // The ConfigMap volume changes under the running agent, as kubelet refreshes it.
+    fs::write(config.join("uninstall-requested"), "true").unwrap();
+    assert!(s.uninstall_requested_now());
+}
+
+#[test]
+fn an_uninstall_request_reads_as_the_prestop_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    fs::create_dir_all(&config).unwrap();
+    let args = AgentArgs {
+        config: Some(config.clone()),
+        ..base(dir.path())
+    };
+    let s = Settings::resolve(&args, None).unwrap();
+    for (value, requested) in [("yes", true), ("On", true), ("0", false), ("maybe", false)] {
+        fs::write(config.join("uninstall-requested"), value).unwrap();
+        assert_eq!(s.uninstall_requested_now(), requested, "{value}");
+    }
+}
+
+#[test]
+fn ambient_with_another_mesh_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = AgentArgs {
+        ambient: Some("true".into()),
+        plugin_json: Some(r#"{"type": "sidestep", "mesh": "linkerd"}"#.into()),
+        ..base(dir.path())
+    };
+    let e = err(&args);
+    assert!(e.contains("ambient mode is Istio's"), "{e}");
+    assert!(e.contains("linkerd"), "{e}");
+}

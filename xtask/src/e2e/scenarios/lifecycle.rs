@@ -1,0 +1,358 @@
+//! The agent's life on the node: restart and rollout under load, a preset change, uninstall.
+
+use std::fs;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+
+use super::manifests::{linkerd_pod, plain_pod};
+use super::*;
+use crate::e2e::install;
+
+/// Calls from `early` to the server for LOAD_SECONDS while the agent pod is deleted (the
+/// DaemonSet recreates it) and then rolled to a new image: every call must succeed, and every
+/// one must pass through early's sidecar (its log gains a line per call), so capture held
+/// across both.
+pub(super) fn restart_under_load(node: &Running) -> Result<String> {
+    const LOAD_SECONDS: u64 = 40;
+    let server_ip = pod_ip(node, "server")?;
+    let early_ip = pod_ip(node, "early")?;
+    let target = format!("{server_ip}:{SERVER_PORT}");
+    let through_sidecar = |k: &Kubectl| -> Result<usize> {
+        let log = k.run(&["logs", "-n", MESH, "early", "-c", "istio-proxy"])?;
+        let from = format!("client={early_ip}:");
+        Ok(log
+            .lines()
+            .filter(|l| l.contains(&from) && l.contains("be=outbound_orig"))
+            .count())
+    };
+    let before = through_sidecar(&node.kubectl)?;
+    let k = node.kubectl.clone();
+    let deadline = format!("{}", LOAD_SECONDS * 1000);
+    let load_target = target.clone();
+    let load = std::thread::spawn(move || {
+        k.run_unbounded(&[
+            "exec",
+            "-n",
+            MESH,
+            "early",
+            "-c",
+            "app",
+            "--",
+            "/usr/local/bin/probe",
+            "connect-many",
+            &load_target,
+            "100000000",
+            "--threads",
+            "1",
+            "--deadline-ms",
+            &deadline,
+        ])
+    });
+    let started = Instant::now();
+    // The load runs to its deadline whatever happens here; it is joined before any error
+    // returns, so it never runs into the next scenario.
+    let disruptions = restart_and_roll(node, started);
+    let out = load
+        .join()
+        .map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
+    let (restarted, rolled) = disruptions?;
+    ensure!(
+        rolled < LOAD_SECONDS as f64,
+        "the restart and rollout took {rolled:.0} s, longer than the load ({LOAD_SECONDS} s)"
+    );
+    let line = out.lines().last().unwrap_or("");
+    let result: serde_json::Value =
+        serde_json::from_str(line).with_context(|| format!("probe printed {out:?}"))?;
+    // A call fails when it cannot connect or the server's answer does not arrive. (The answer is
+    // the server app's SO_ORIGINAL_DST on a socket the server's sidecar opened, not one a
+    // redirect made, so connect-many's own comparison of it does not apply here.)
+    let count = |key: &str| result[key].as_u64().unwrap_or(0);
+    let (done, errors) = (count("done"), count("errors"));
+    ensure!(
+        done > 0 && errors == 0,
+        "{errors} of {done} calls failed: {result}"
+    );
+    let passed = through_sidecar(&node.kubectl)? - before;
+    ensure!(
+        passed as u64 >= done,
+        "only {passed} of {done} calls passed through early's sidecar"
+    );
+    Ok(format!(
+        "{done} calls, 0 failed, all {passed} through the sidecar; agent pod replaced by \
+         {restarted:.0} s, image {} rolled out by {rolled:.0} s",
+        install::AGENT_IMAGE_NEXT
+    ))
+}
+
+/// Delete the agent pod and wait for its replacement, then roll the DaemonSet to a new image
+/// tag; returns when each was done, in seconds since `started`.
+fn restart_and_roll(node: &Running, started: Instant) -> Result<(f64, f64)> {
+    let k = &node.kubectl;
+    std::thread::sleep(Duration::from_secs(3));
+    let first = agent_pod(k)?;
+    k.run(&[
+        "delete",
+        "pod",
+        "-n",
+        install::NAMESPACE,
+        &first,
+        "--wait=true",
+    ])?;
+    wait_new_agent_ready(k, &first)?;
+    let restarted = started.elapsed().as_secs_f64();
+    // A new image: the same build under another tag, as a release would be.
+    install::import_agent_as(node, install::AGENT_IMAGE_NEXT)?;
+    let second = agent_pod(k)?;
+    k.run(&[
+        "set",
+        "image",
+        "-n",
+        install::NAMESPACE,
+        "daemonset/sidestep-agent",
+        &format!("agent={}", install::AGENT_IMAGE_NEXT),
+    ])?;
+    wait_new_agent_ready(k, &second)?;
+    install::wait_agent_ready(node, Duration::from_secs(60))?;
+    Ok((restarted, started.elapsed().as_secs_f64()))
+}
+
+/// The name of the agent's pod on the node.
+pub(super) fn agent_pod(k: &Kubectl) -> Result<String> {
+    let name = k.run(&[
+        "get",
+        "pods",
+        "-n",
+        install::NAMESPACE,
+        "-l",
+        install::AGENT_SELECTOR,
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ])?;
+    Ok(name.trim().to_owned())
+}
+
+/// Wait for an agent pod other than `old` to be Ready (the DaemonSet's status can still show
+/// the old pod's readiness right after a deletion).
+fn wait_new_agent_ready(k: &Kubectl, old: &str) -> Result<()> {
+    k.poll(
+        &format!("an agent pod other than {old} Ready"),
+        Duration::from_secs(60),
+        |k| {
+            let out = k.run(&[
+                "get",
+                "pods",
+                "-n",
+                install::NAMESPACE,
+                "-l",
+                install::AGENT_SELECTOR,
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name} {.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}",
+            ])?;
+            Ok(out.lines().any(|l| {
+                let mut parts = l.split_whitespace();
+                parts.next().is_some_and(|name| name != old) && parts.next() == Some("True")
+            }))
+        },
+    )
+}
+
+/// The operator switches the plugin to Linkerd's preset (`mesh: linkerd` in plugin-json, ambient
+/// off) and restarts the agent, which rewrites the chain entry; a pod as Linkerd's injector leaves it
+/// (linkerd-proxy as UID 2102, `linkerd.io/proxy-version`) is then captured to 4140.
+pub(super) fn linkerd_preset(node: &Running) -> Result<String> {
+    let k = &node.kubectl;
+    let text = k.run(&[
+        "get",
+        "configmap",
+        "-n",
+        install::NAMESPACE,
+        "sidestep-config",
+        "-o",
+        "json",
+    ])?;
+    let mut config: serde_json::Value = serde_json::from_str(&text)?;
+    let plugin_json = config["data"]["plugin-json"]
+        .as_str()
+        .context("no plugin-json in the ConfigMap")?;
+    let mut plugin: serde_json::Value =
+        serde_json::from_str(plugin_json).context("plugin-json is not JSON")?;
+    plugin["mesh"] = "linkerd".into();
+    config["data"]["plugin-json"] = serde_json::to_string_pretty(&plugin)?.into();
+    // Ambient mode is Istio's: the agent refuses it beside another mesh's preset.
+    config["data"]["ambient"] = "false".into();
+    k.apply(&manifests(node), "config-linkerd", &config.to_string())?;
+    k.run(&[
+        "rollout",
+        "restart",
+        "-n",
+        install::NAMESPACE,
+        "daemonset/sidestep-agent",
+    ])?;
+    install::wait_agent_ready(node, Duration::from_secs(60))?;
+    k.poll(
+        "the chain entry with mesh linkerd",
+        Duration::from_secs(30),
+        |_| Ok(conflist_text(node)?.contains("\"linkerd\"")),
+    )?;
+    k.apply(&manifests(node), "linkerd", &linkerd_pod("lkd"))?;
+    k.wait_pod_ready(MESH, "lkd", POD_TIMEOUT)?;
+    let server_ip = pod_ip(node, "server")?;
+    let lkd_ip = pod_ip(node, "lkd")?;
+    let target = format!("{server_ip}:{SERVER_PORT}");
+    let answer = probe_json(node, "lkd", &["connect-sock", &target, "--read"])?;
+    ensure!(answer["peer"] == target.as_str(), "lkd's call: {answer}");
+    let from = format!("client={lkd_ip}:");
+    let dst = format!("dst={target}");
+    let line = wait_container_log(
+        k,
+        MESH,
+        "lkd",
+        "linkerd-proxy",
+        &["outbound ", &from, &dst, "be=outbound_orig"],
+    )?;
+    Ok(format!(
+        "linkerd-proxy (UID 2102, port 4140): {}",
+        line.trim()
+    ))
+}
+
+/// The uninstall of deploy/README.md: `uninstall-requested` in the ConfigMap, then
+/// `kubectl delete -k` (the agent's preStop runs `sidestep uninstall --if-requested`).
+pub(super) fn uninstall(node: &Running) -> Result<String> {
+    let k = &node.kubectl;
+    k.run(&[
+        "patch",
+        "configmap",
+        "-n",
+        install::NAMESPACE,
+        "sidestep-config",
+        "--type",
+        "merge",
+        "-p",
+        r#"{"data":{"uninstall-requested":"true"}}"#,
+    ])?;
+    // preStop reads the ConfigMap volume: wait for kubelet to refresh it (deploy/README.md
+    // tells the operator to wait 90 s), seen from the host in kubelet's pod volume dir.
+    let pods_dir = node.layout.kubelet_root().join("pods");
+    k.poll(
+        "uninstall-requested in the agent's volume",
+        Duration::from_secs(120),
+        |_| {
+            for pod in fs::read_dir(&pods_dir)? {
+                let file = pod?
+                    .path()
+                    .join("volumes/kubernetes.io~configmap/config/uninstall-requested");
+                if fs::read_to_string(&file).is_ok_and(|v| v.trim() == "true") {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        },
+    )?;
+    // What kubelet did with the agent (PreStop failures show here), for the error.
+    let events_file = node.layout.at("logs/sidestep-system-events.log");
+    let watcher = std::process::Command::new(&k.bin)
+        .arg("--kubeconfig")
+        .arg(&k.kubeconfig)
+        .args([
+            "get",
+            "events",
+            "-n",
+            install::NAMESPACE,
+            "-w",
+            "--watch-only",
+        ])
+        .stdout(fs::File::create(&events_file)?)
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    let deleting = Instant::now();
+    let overlay = node.layout.at("overlay");
+    // The token Secret may already be gone with its ServiceAccount (the token controller
+    // deletes it), hence --ignore-not-found.
+    k.run(&[
+        "delete",
+        "-k",
+        &overlay.display().to_string(),
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=90s",
+    ])?;
+    let mut left: Vec<String> = Vec::new();
+    if super::sidecar::chained_types(node)?
+        .iter()
+        .any(|(_, types)| types.iter().any(|t| t == "sidestep"))
+    {
+        left.push("the conflist entry".to_owned());
+    }
+    for path in [
+        node.layout.cni_bin_dir().join("sidestep"),
+        node.layout.cni_conf_dir().join("ZZZ-sidestep-kubeconfig"),
+        PathBuf::from(PIN_ROOT),
+    ] {
+        if path.exists() {
+            left.push(path.display().to_string());
+        }
+    }
+    let (on_pods, on_root) = super::sidecar::sidestep_programs(node)?;
+    if on_pods + on_root > 0 {
+        left.push(format!(
+            "{on_pods} programs on the pod cgroup, {on_root} on the cgroup2 root"
+        ));
+    }
+    let records: Vec<_> = fs::read_dir(node.layout.at("sidestep/cni"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+        .map(|e| e.path().display().to_string())
+        .collect();
+    left.extend(records);
+    let deleted_in = deleting.elapsed().as_secs_f64();
+    if let Ok(mut w) = watcher {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    ensure!(
+        left.is_empty(),
+        "left after uninstall: {} (delete -k took {deleted_in:.0} s); events while deleting:\n{}",
+        left.join(", "),
+        fs::read_to_string(&events_file).unwrap_or_default()
+    );
+    // A new pod starts, and the pods that were created while the chain named sidestep delete.
+    k.apply(&manifests(node), "after", &plain_pod("after", &sleep_app()))?;
+    k.wait_pod_ready(MESH, "after", POD_TIMEOUT)?;
+    let old = ["server", "early", "plain", "lkd", "gated"];
+    let mut args = vec!["delete", "pod", "-n", MESH, "--wait=true", "--timeout=60s"];
+    args.extend(old);
+    k.run(&args)
+        .context("deleting the pods made before the uninstall (stuck Terminating?)")?;
+    k.run(&[
+        "delete",
+        "pod",
+        "-n",
+        "ambient",
+        "amb",
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=60s",
+    ])
+    .context("deleting the ambient pod made before the uninstall (stuck Terminating?)")?;
+    Ok(format!(
+        "no conflist entry, plugin, kubeconfig, pins, programs or records; pod `after` started; \
+         {} older pods deleted",
+        old.len() + 1
+    ))
+}
+
+pub(super) fn conflist_text(node: &Running) -> Result<String> {
+    let mut text = String::new();
+    for entry in fs::read_dir(node.layout.cni_conf_dir())? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "conflist") {
+            text += &fs::read_to_string(&path)?;
+        }
+    }
+    Ok(text)
+}
