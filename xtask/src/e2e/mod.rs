@@ -65,7 +65,8 @@ pub enum E2eTask {
         separate: bool,
     },
     /// Bring up one node (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-    /// containerd, kubelet) from a scratch directory and leave it running.
+    /// containerd, kubelet) from a scratch directory, install sidestep on it with kubectl, and
+    /// leave it running.
     Up {
         /// Scratch directory; must not exist yet.
         #[arg(long, default_value = DEFAULT_DIR)]
@@ -74,6 +75,9 @@ pub enum E2eTask {
         /// see the failure path: the daemon named with its log's tail, then a full teardown.
         #[arg(long, value_name = "DAEMON", value_parser = clap::builder::PossibleValuesParser::new(node::DAEMONS))]
         fail: Option<String>,
+        /// Only the node: do not build the images and install sidestep on it.
+        #[arg(long)]
+        bare: bool,
     },
     /// Stop the node and remove everything it made; nothing to do when no node is up.
     Down {
@@ -105,7 +109,7 @@ pub fn run(args: E2eArgs) -> Result<()> {
             built.print_versions()?;
             Ok(())
         }
-        E2eTask::Up { dir, fail } => node::up(&dir, fail.as_deref()),
+        E2eTask::Up { dir, fail, bare } => run::up(&dir, fail.as_deref(), bare),
         E2eTask::Down { dir } => teardown::down(&dir),
     }
 }

@@ -30,15 +30,7 @@ pub fn whole(dir: &Path, options: &Options) -> Result<()> {
     } = *options;
     sweep_dead_run(dir)?;
     let mut phases = Phases::default();
-    let bins = phases.time("build sidestep", || {
-        let (_object, plugin) = tasks::prepare(false)?;
-        // prepare() built the workspace: the agent and the probe are in the bin dir.
-        Ok(Binaries {
-            sidestep: paths::bin_dir(false).join("sidestep"),
-            plugin,
-            probe: paths::bin_dir(false).join("probe"),
-        })
-    })?;
+    let bins = phases.time("build sidestep", binaries)?;
     let node = node::start(dir, options.fail.as_deref(), &mut phases)?;
     let mut report = Report::default();
     let outcome = install_and_run(&node, &bins, without_sidestep, &mut phases, &mut report);
@@ -77,6 +69,62 @@ pub fn whole(dir: &Path, options: &Options) -> Result<()> {
         bail!("{failed} e2e scenario(s) failed");
     }
     Ok(())
+}
+
+/// `cargo xtask e2e up`: the node, and unless `bare` sidestep installed on it (as the whole run
+/// installs it, without the startup taint), left running for a user to try.
+pub fn up(dir: &Path, fail: Option<&str>, bare: bool) -> Result<()> {
+    if bare {
+        return node::up(dir, fail);
+    }
+    let mut phases = Phases::default();
+    let bins = phases.time("build sidestep", binaries)?;
+    let node = node::start(dir, fail, &mut phases)?;
+    let installed = (|| {
+        phases.time("images", || install::images(&node, &bins))?;
+        let overlay = install::write_overlay(&node, OverlayOptions::default())?;
+        phases.time("install (kubectl apply -k)", || {
+            install::apply(&node, &overlay)?;
+            install::wait_agent_ready(&node, std::time::Duration::from_secs(120))
+        })?;
+        Ok::<_, anyhow::Error>(overlay)
+    })();
+    let overlay = match installed {
+        Ok(overlay) => overlay,
+        Err(e) => {
+            drop(node);
+            eprintln!("\ninstalling sidestep failed; tearing the node down");
+            if let Err(down) = teardown::down(dir) {
+                eprintln!("teardown after the failure also failed: {down:#}");
+            }
+            return Err(e);
+        }
+    };
+    node.built.print_versions()?;
+    phases.print("e2e up: wall time per phase");
+    println!(
+        "\nnode {} is Ready with sidestep installed from {} (images {}, {}, {});\n\
+         it keeps running until `cargo xtask e2e down`",
+        super::config::NODE_NAME,
+        overlay.display(),
+        install::AGENT_IMAGE,
+        install::APP_IMAGE,
+        install::PROXY_IMAGE,
+    );
+    println!("  export KUBECONFIG={}", node.kubectl.kubeconfig.display());
+    println!("  {} get pods -A", node.kubectl.bin.display());
+    Ok(())
+}
+
+/// The workspace built (as `cargo xtask test` builds it) and the binaries the images take.
+fn binaries() -> Result<Binaries> {
+    let (_object, plugin) = tasks::prepare(false)?;
+    // prepare() built the workspace: the agent and the probe are in the bin dir.
+    Ok(Binaries {
+        sidestep: paths::bin_dir(false).join("sidestep"),
+        plugin,
+        probe: paths::bin_dir(false).join("probe"),
+    })
 }
 
 fn install_and_run(
