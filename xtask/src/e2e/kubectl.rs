@@ -18,9 +18,7 @@ pub struct Kubectl {
 impl Kubectl {
     /// Run kubectl; stdout on success, an error with its stderr otherwise.
     pub fn run(&self, args: &[&str]) -> Result<String> {
-        Cmd::new(&self.bin)
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
+        self.command()
             .args(["--request-timeout=30s"])
             .args(args)
             .read()
@@ -28,11 +26,13 @@ impl Kubectl {
 
     /// Run kubectl with no request timeout: for `exec` of a load that runs longer.
     pub fn run_unbounded(&self, args: &[&str]) -> Result<String> {
+        self.command().args(args).read()
+    }
+
+    fn command(&self) -> Cmd {
         Cmd::new(&self.bin)
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
-            .args(args)
-            .read()
     }
 
     /// `kubectl apply -f` of `yaml`, kept as `<manifests>/<name>.yaml` for a look afterwards.

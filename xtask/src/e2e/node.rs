@@ -436,17 +436,13 @@ impl Node {
         Ok(())
     }
 
-    /// A kubectl runner with the admin kubeconfig; returns stdout.
+    /// A kubectl runner with the admin kubeconfig, no request timeout; returns stdout.
     fn kubectl(&self, pki: &Pki) -> impl Fn(&[&str]) -> Result<String> + use<> {
-        let kubectl = self.built.kube("kubectl");
-        let kubeconfig = pki.kubeconfig("admin");
-        move |args| {
-            Cmd::new(&kubectl)
-                .arg("--kubeconfig")
-                .arg(&kubeconfig)
-                .args(args)
-                .read()
-        }
+        let kubectl = Kubectl {
+            bin: self.built.kube("kubectl"),
+            kubeconfig: pki.kubeconfig("admin"),
+        };
+        move |args| kubectl.run_unbounded(args)
     }
 }
 

@@ -118,9 +118,9 @@ fn restart_and_roll(node: &Running, started: Instant) -> Result<(f64, f64)> {
     Ok((restarted, started.elapsed().as_secs_f64()))
 }
 
-/// The name of the agent's pod on the node.
-pub(super) fn agent_pod(k: &Kubectl) -> Result<String> {
-    let name = k.run(&[
+/// The agent's pods, each as `jsonpath` (a `{range .items[*]}` body) prints it.
+fn agent_pods(k: &Kubectl, jsonpath: &str) -> Result<String> {
+    k.run(&[
         "get",
         "pods",
         "-n",
@@ -128,9 +128,14 @@ pub(super) fn agent_pod(k: &Kubectl) -> Result<String> {
         "-l",
         install::AGENT_SELECTOR,
         "-o",
-        "jsonpath={.items[0].metadata.name}",
-    ])?;
-    Ok(name.trim().to_owned())
+        &format!("jsonpath={{range .items[*]}}{jsonpath}{{\"\\n\"}}{{end}}"),
+    ])
+}
+
+/// The name of the agent's pod on the node.
+pub(super) fn agent_pod(k: &Kubectl) -> Result<String> {
+    let names = agent_pods(k, "{.metadata.name}")?;
+    Ok(names.lines().next().unwrap_or("").trim().to_owned())
 }
 
 /// Wait for an agent pod other than `old` to be Ready (the DaemonSet's status can still show
@@ -140,16 +145,10 @@ fn wait_new_agent_ready(k: &Kubectl, old: &str) -> Result<()> {
         &format!("an agent pod other than {old} Ready"),
         Duration::from_secs(60),
         |k| {
-            let out = k.run(&[
-                "get",
-                "pods",
-                "-n",
-                install::NAMESPACE,
-                "-l",
-                install::AGENT_SELECTOR,
-                "-o",
-                "jsonpath={range .items[*]}{.metadata.name} {.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}",
-            ])?;
+            let out = agent_pods(
+                k,
+                "{.metadata.name} {.status.conditions[?(@.type==\"Ready\")].status}",
+            )?;
             Ok(out.lines().any(|l| {
                 let mut parts = l.split_whitespace();
                 parts.next().is_some_and(|name| name != old) && parts.next() == Some("True")
