@@ -282,7 +282,7 @@ impl Dataplane for Pinned {
     }
 
     fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr> {
-        sidestep::agent::pods::addresses_at(netns)
+        sidestep::netns::addresses::addresses_at(netns)
             .map(|a| a.ips.into_iter().map(|(ip, _)| ip).collect())
             .unwrap_or_default()
     }

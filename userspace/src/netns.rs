@@ -17,6 +17,8 @@ use nix::sched::{CloneFlags, setns};
 
 use crate::error::NetnsError;
 
+pub mod addresses;
+
 const NSFS_MAGIC: i64 = 0x6e73_6673;
 const SO_NETNS_COOKIE: libc::c_int = 71;
 
