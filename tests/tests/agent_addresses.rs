@@ -460,7 +460,7 @@ fn address_churn_in_a_pod_is_read_at_a_bounded_rate() -> Result<()> {
     })
     .with_context(|| agent.log())?;
     let read = syncs()? - before;
-    // userspace/src/addrfollow.rs, MIN_SYNC_INTERVAL; the bound allows the sync at either end.
+    // userspace/daemon/src/addrfollow.rs, MIN_SYNC_INTERVAL; the bound allows the sync at either end.
     let allowed = (churned.as_secs_f64() + 0.1) / 0.1 + 2.0;
     ensure!(
         read <= allowed,

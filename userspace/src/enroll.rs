@@ -9,7 +9,7 @@
 //! the keys a recorded enrolment wrote, which costs the same on a full node as on an empty one.
 
 pub mod exclusion;
-pub(crate) mod facts;
+pub mod facts;
 pub mod hook;
 mod limits;
 mod passthrough;

@@ -1,8 +1,8 @@
-//! sidestep's userspace: loader, pin manager, policy model and enrolment, shared by the
-//! `sidestep` CLI/agent and the `sidestep-cni` plugin.
+//! sidestep's core library: the loader, pins, maps, policy model, enrolment and network
+//! namespaces, shared by the `sidestep` command and agent (`sidestep-daemon`, in `daemon/`) and
+//! the `sidestep-cni` plugin. Nothing here runs an async runtime or talks to the API server, so
+//! the short-lived plugin links only what an ADD needs.
 
-pub mod addrfollow;
-pub mod agent;
 pub mod btf;
 pub mod enroll;
 pub mod error;
@@ -22,5 +22,3 @@ pub mod tc;
 pub mod tcattach;
 pub mod tproxy;
 pub mod userns;
-pub mod verdictlog;
-pub mod zds;

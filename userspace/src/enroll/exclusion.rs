@@ -86,7 +86,7 @@ pub(crate) fn route_entries(
 }
 
 /// Makes the pod's excluded-interface entries match `facts` for the interfaces `excluded` names.
-pub(crate) fn follow(
+pub fn follow(
     maps: &mut PolicyMaps,
     netns_cookie: u64,
     facts: &NetnsFacts,

@@ -256,7 +256,7 @@ impl SourceChanges {
 /// routes flag is set before any is written and cleared only once all are gone, and DEL scans
 /// for the routes of a flagged pod ([`flagged_routes`]). A pod unenrolled meanwhile (its DEL
 /// ran while the netns was read) gets what this wrote removed again.
-pub(crate) fn follow(
+pub fn follow(
     maps: &mut PolicyMaps,
     netns_cookie: u64,
     facts: &NetnsFacts,

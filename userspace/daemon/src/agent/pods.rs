@@ -12,7 +12,7 @@
 //! pods by address (and have repair delete, label or enrol it). Such a netns belongs to a user
 //! namespace of the process's own making, while a runtime makes pod netns from the node's user
 //! namespace, so one found only through /proc is a pod's only when it belongs to the node's user
-//! namespace ([`crate::userns::owned_by_ours`]: an ioctl on the netns, nothing entered), or when
+//! namespace ([`sidestep::userns::owned_by_ours`]: an ioctl on the netns, nothing entered), or when
 //! a record of the plugin names it (a sandbox the runtime gave the plugin, such as a
 //! `hostUsers: false` pod's, whose netns its own user namespace owns). Any other is left out
 //! before anything reads from inside it. A bind mount under the netns directories is the
@@ -31,7 +31,7 @@ use std::{
 
 use serde::Deserialize;
 
-use crate::netns::Netns;
+use sidestep::netns::Netns;
 
 /// The fields of the plugin's `AttachmentRecord` (cni/src/state.rs) that the agent uses.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -233,7 +233,7 @@ fn recorded_netns(scan: &Scan<'_>) -> BTreeMap<(u64, u64), BTreeSet<u64>> {
 /// recorded cookie, which no other netns ever has). Anything else is left out without a look
 /// inside: neither its user namespace nor the netns itself is entered.
 fn is_pod_sandbox(netns: &Netns, recorded: &BTreeMap<(u64, u64), BTreeSet<u64>>) -> bool {
-    let owner = crate::userns::owned_by_ours(netns);
+    let owner = sidestep::userns::owned_by_ours(netns);
     if matches!(owner, Ok(true)) {
         return true;
     }
@@ -304,24 +304,24 @@ pub fn fate(path: &Path, cookie: u64) -> Fate {
             Ok(_) => Fate::Gone,
             Err(e) => Fate::Unknown(e.to_string()),
         },
-        Err(crate::error::NetnsError::Open { source, .. })
+        Err(sidestep::error::NetnsError::Open { source, .. })
             if source.kind() == std::io::ErrorKind::NotFound =>
         {
             Fate::Gone
         }
         // The path is there but is no netns any more (the bind mount went).
-        Err(crate::error::NetnsError::NotNetns(_)) => Fate::Gone,
+        Err(sidestep::error::NetnsError::NotNetns(_)) => Fate::Gone,
         Err(e) => Fate::Unknown(e.to_string()),
     }
 }
 
-pub use crate::netns::addresses::{AddressesError, PodAddresses};
+pub use sidestep::netns::addresses::{AddressesError, PodAddresses};
 
 /// The first interface other than loopback that has a global address, with its addresses, in
 /// the netns the scan found: the one its path names now is read only if it has the scan's
 /// cookie, so a process that took a scanned process's PID cannot have its netns read instead.
 pub fn pod_addresses(live: &LiveNetns) -> Result<PodAddresses, AddressesError> {
-    crate::netns::addresses::pod_addresses(&live.path, live.cookie)
+    sidestep::netns::addresses::pod_addresses(&live.path, live.cookie)
 }
 
 #[cfg(test)]
@@ -431,9 +431,9 @@ mod tests {
             };
             live_netns(&scan).into_iter().map(|l| l.cookie).collect()
         };
-        assert!(crate::userns::owned_by_ours(&Netns::open(&netns_path(&pod)).unwrap()).unwrap());
+        assert!(sidestep::userns::owned_by_ours(&Netns::open(&netns_path(&pod)).unwrap()).unwrap());
         assert!(
-            !crate::userns::owned_by_ours(&Netns::open(&netns_path(&nested)).unwrap()).unwrap()
+            !sidestep::userns::owned_by_ours(&Netns::open(&netns_path(&nested)).unwrap()).unwrap()
         );
         assert_eq!(live(&[]), [cookie(&pod)]);
         // A record of the nested one's sandbox (a `hostUsers: false` pod's): it counts.

@@ -112,7 +112,7 @@ fn run(agent: &Agent) {
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),
                         left_out = synced.left_out - synced.over_budget,
-                        max = crate::enroll::MAX_POD_ADDRESSES,
+                        max = sidestep::enroll::MAX_POD_ADDRESSES,
                         "the pod has more addresses than are registered for one pod; connections to the rest are captured as outbound"
                     );
                 }
@@ -123,7 +123,7 @@ fn run(agent: &Agent) {
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),
                         routes,
-                        max = crate::enroll::MAX_EXCLUSION_ROUTES,
+                        max = sidestep::enroll::MAX_EXCLUSION_ROUTES,
                         "the pod has more routes than are written for its excluded interfaces; none is written, so its connections are captured whatever interface their route takes (sockets bound to an excluded device excepted)"
                     );
                 }
@@ -132,7 +132,7 @@ fn run(agent: &Agent) {
                         netns = %f.path().display(),
                         netns_cookie = f.cookie(),
                         left_out = source.routes_left_out,
-                        max = crate::enroll::source::MAX_FOLLOWED_ROUTES,
+                        max = sidestep::enroll::source::MAX_FOLLOWED_ROUTES,
                         "the pod has more routes through its other interfaces than are followed; connections to the rest leave from its primary address"
                     );
                 }

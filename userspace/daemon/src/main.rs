@@ -5,12 +5,12 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use sidestep::{
-    agent::{self, AgentArgs, Settings},
     enroll, loader,
     pins::DEFAULT_PIN_ROOT,
     policy::{self, InterceptionMode, Policy},
     status,
 };
+use sidestep_daemon::agent::{self, AgentArgs, Settings};
 
 #[derive(Parser)]
 #[command(
@@ -79,7 +79,7 @@ enum Command {
         #[arg(long = "netns", required = true)]
         netns: Vec<PathBuf>,
         /// The most addresses gained after enrolment registered for all of them together.
-        #[arg(long, default_value_t = sidestep::addrfollow::DEFAULT_LATE_ADDRESS_BUDGET)]
+        #[arg(long, default_value_t = sidestep_daemon::addrfollow::DEFAULT_LATE_ADDRESS_BUDGET)]
         late_address_budget: usize,
     },
     /// Turn a pod's verdict log on (or off with --off), and/or print the verdicts of every pod
@@ -103,12 +103,12 @@ enum Command {
     /// netns. The agent (`--ambient`) does this for the pods the CNI plugin enrols.
     ZtunnelServe {
         /// Where to listen (ztunnel's INPOD_UDS).
-        #[arg(long, default_value = sidestep::zds::DEFAULT_SOCKET)]
+        #[arg(long, default_value = sidestep_daemon::zds::DEFAULT_SOCKET)]
         socket: PathBuf,
         /// `UID,NAMESPACE,NAME,SERVICE_ACCOUNT,NETNS` (repeatable): the identity ztunnel gives
         /// the workload, and its netns.
-        #[arg(long = "workload", required = true, value_parser = sidestep::zds::Workload::parse)]
-        workloads: Vec<sidestep::zds::Workload>,
+        #[arg(long = "workload", required = true, value_parser = sidestep_daemon::zds::Workload::parse)]
+        workloads: Vec<sidestep_daemon::zds::Workload>,
     },
     /// Show programs, attachments, enrolled pods and counters.
     Status {
@@ -355,10 +355,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             // Open the reader first, so that no verdict between the two steps is lost.
             let reader = follow
-                .then(|| sidestep::verdictlog::VerdictReader::open(&pin_root))
+                .then(|| sidestep_daemon::verdictlog::VerdictReader::open(&pin_root))
                 .transpose()?;
             if let Some(netns) = &netns {
-                let cookie = sidestep::verdictlog::set_debug(&pin_root, netns, !off)?;
+                let cookie = sidestep_daemon::verdictlog::set_debug(&pin_root, netns, !off)?;
                 let state = if off { "off" } else { "on" };
                 println!(
                     "verdict log {state} for {} (netns cookie {cookie})",
@@ -400,9 +400,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 /// snapshot), and says when one is connected.
 fn ztunnel_serve(
     socket: &std::path::Path,
-    workloads: Vec<sidestep::zds::Workload>,
+    workloads: Vec<sidestep_daemon::zds::Workload>,
 ) -> anyhow::Result<()> {
-    let server = sidestep::zds::ZdsServer::listen(socket)?;
+    let server = sidestep_daemon::zds::ZdsServer::listen(socket)?;
     for w in workloads {
         // Without a ztunnel yet the workload waits for its snapshot.
         let _ = server.add(w);
@@ -432,7 +432,7 @@ fn ztunnel_serve(
 
 /// One line on stdout per change, for scripts and tests to wait on.
 fn follow_addresses(pin_root: &std::path::Path, netns: Vec<PathBuf>, budget: usize) {
-    use sidestep::addrfollow::{self, FollowEvent};
+    use sidestep_daemon::addrfollow::{self, FollowEvent};
     // No record here names a pod's excluded interfaces: only the agent follows those.
     let wanted: std::collections::BTreeMap<PathBuf, Vec<String>> =
         netns.into_iter().map(|n| (n, Vec::new())).collect();

@@ -11,7 +11,7 @@ use super::{
     install::{self, InstallError},
     settings::{CniMode, DEFAULT_STANDALONE_NAME, Settings},
 };
-use crate::{error::LoadError, loader};
+use sidestep::{error::LoadError, loader};
 
 #[derive(Debug, thiserror::Error)]
 pub enum UninstallError {
@@ -71,7 +71,7 @@ impl std::fmt::Display for Removed {
 /// then the directories if nothing else is in them.
 fn remove_records(dir: &std::path::Path) -> Result<usize, UninstallError> {
     // The netns-cookie index describes the records, which all go.
-    let index = crate::stateindex::Index::new(dir);
+    let index = sidestep::stateindex::Index::new(dir);
     index.remove_all().map_err(|source| UninstallError::State {
         path: index.dir().to_path_buf(),
         source,

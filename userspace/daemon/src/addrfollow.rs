@@ -11,7 +11,7 @@
 //! The same read keeps the source of captured connections in step (`SIDESTEP_SRC` for a family
 //! the pod gained, `SIDESTEP_SRCR` for routes through interfaces attached after the ADD), and,
 //! for a pod whose policy excludes interfaces, their entries and the routes `-o <nic>` follows
-//! ([`crate::enroll::exclusion`]).
+//! ([`sidestep::enroll::exclusion`]).
 //!
 //! What a follower writes to `SIDESTEP_ADDRS`, it owns: it never takes an address that another
 //! live pod holds (as enrolment does not), and it removes only entries it added that still name
@@ -35,7 +35,7 @@ use std::{
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-use crate::{
+use sidestep::{
     enroll::{
         MAX_POD_ADDRESSES,
         exclusion::{self, ExclusionChanges},
@@ -96,9 +96,9 @@ pub struct Synced {
     pub left_out_changed: bool,
     /// The netns is not enrolled (any more, or not yet): nothing of it is in the map.
     pub unenrolled: bool,
-    /// The source its captured connections leave from ([`crate::enroll::source::follow`]).
+    /// The source its captured connections leave from ([`sidestep::enroll::source::follow`]).
     pub source: SourceChanges,
-    /// Its excluded interfaces and their routes ([`crate::enroll::exclusion::follow`]).
+    /// Its excluded interfaces and their routes ([`sidestep::enroll::exclusion::follow`]).
     pub exclusion: ExclusionChanges,
 }
 
@@ -230,7 +230,7 @@ impl AddressFollower {
         self.added
             .retain(|words| maps.addresses.get(words, 0).ok() == Some(cookie));
         // Routes too for a pod that excludes interfaces: `-o <nic>` follows them.
-        let facts = crate::enroll::facts::read(&self.netns, !self.excluded.is_empty())?;
+        let facts = sidestep::enroll::facts::read(&self.netns, !self.excluded.is_empty())?;
         let now: BTreeSet<[u32; 4]> = facts
             .addresses
             .iter()
@@ -264,13 +264,13 @@ impl AddressFollower {
         for words in &new {
             maps.addresses
                 .insert(words, self.cookie, 0)
-                .map_err(|e| crate::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e))?;
+                .map_err(|e| sidestep::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e))?;
             self.added.insert(*words);
             synced.added.push(words_address(words));
         }
         // Each step whatever the other's outcome: a failed source step must not leave an
         // excluded interface's routes as they were.
-        let source = crate::enroll::source::follow(maps, self.cookie, &facts);
+        let source = sidestep::enroll::source::follow(maps, self.cookie, &facts);
         let exclusion = if self.excluded.is_empty() {
             Ok(ExclusionChanges::default())
         } else {
@@ -318,7 +318,7 @@ impl AddressFollower {
             Ok(()) => Ok(true),
             Err(aya::maps::MapError::KeyNotFound) => Ok(false),
             Err(e) => {
-                Err(crate::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e).into())
+                Err(sidestep::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e).into())
             }
         }
     }

@@ -18,7 +18,7 @@ use aya_log::EbpfLogger;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use sidestep_abi::{flags, map_names, program_names, redirect_kind, rule};
 
-use crate::{error::MapsError, maps::PolicyMaps, netns::Netns, pins::PinLayout};
+use sidestep::{error::MapsError, maps::PolicyMaps, netns::Netns, pins::PinLayout};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VerdictLogError {
@@ -32,7 +32,7 @@ pub enum VerdictLogError {
     #[error(transparent)]
     Maps(#[from] MapsError),
     #[error(transparent)]
-    Netns(#[from] crate::error::NetnsError),
+    Netns(#[from] sidestep::error::NetnsError),
     #[error("{path} (netns cookie {cookie}) is not enrolled under this pin root")]
     NotEnrolled { path: PathBuf, cookie: u64 },
 }

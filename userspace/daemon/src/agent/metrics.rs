@@ -35,7 +35,7 @@ use prometheus_client::{
 use sidestep_abi::Counters as PodCounters;
 
 use super::{pods, reconcile::Report};
-use crate::{
+use sidestep::{
     maps::PolicyMaps,
     pins::PinLayout,
     status::{self, ProgramStatus},

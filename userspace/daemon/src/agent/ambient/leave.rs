@@ -156,7 +156,7 @@ fn take_out(agent: &Agent, r: &Recorded) -> Result<usize, String> {
     let Some(_records) = reconcile::records_lock_if_free() else {
         return Err("a reconcile pass is running".into());
     };
-    crate::enroll::unenroll(&s.pin_root, &r.netns).map_err(|e| e.to_string())?;
+    sidestep::enroll::unenroll(&s.pin_root, &r.netns).map_err(|e| e.to_string())?;
     for (path, record) in &records {
         reconcile::forget(s, path, record).map_err(|e| e.to_string())?;
     }
@@ -166,7 +166,7 @@ fn take_out(agent: &Agent, r: &Recorded) -> Result<usize, String> {
 /// Whether Istio's ambient selectors pick `pod` with its namespace's `namespace_labels`.
 fn selected(pod: &Pod, namespace_labels: &BTreeMap<String, String>) -> bool {
     let meta = &pod.metadata;
-    crate::policy::ambient_selectors::selected(
+    sidestep::policy::ambient_selectors::selected(
         &meta.labels.clone().unwrap_or_default(),
         &meta.annotations.clone().unwrap_or_default(),
         namespace_labels,

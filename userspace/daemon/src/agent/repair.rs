@@ -199,7 +199,7 @@ pub fn cluster_config(
     let mut conf = reconcile::repair_config(
         entry,
         network,
-        &crate::policy::Policy::default(),
+        &sidestep::policy::Policy::default(),
         netns,
         addrs,
     );

@@ -193,7 +193,7 @@ fn follow_mode_labels(
 ) {
     let uid_and_mode = |pod: &Pod| {
         let mode = pod.metadata.labels.as_ref().and_then(|l| {
-            l.get(crate::policy::ambient_selectors::DATAPLANE_MODE)
+            l.get(sidestep::policy::ambient_selectors::DATAPLANE_MODE)
                 .cloned()
         });
         (pod.metadata.uid.clone().unwrap_or_default(), mode)

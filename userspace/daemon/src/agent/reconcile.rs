@@ -3,7 +3,7 @@
 //! - **GC.** A record whose netns is gone (no live netns has its cookie, and its netns path is
 //!   gone or names another netns) lost its DEL: its enrolment and per-pod links are removed
 //!   (`unenroll_by_cookie`) and then the record, and the record's entry in the plugin's
-//!   netns-cookie index ([`crate::stateindex`]). When the agent cannot tell (the path's
+//!   netns-cookie index ([`sidestep::stateindex`]). When the agent cannot tell (the path's
 //!   directory is not mounted into it, an open fails otherwise), nothing is collected.
 //! - **Never enrolled.** A live pod netns whose cookie is not in the pod map is reported (log,
 //!   `/metrics`, `/readyz` body): typically a pod that started before the agent was ready. The
@@ -38,7 +38,7 @@ use super::{
 };
 use sidestep_abi::map_names;
 
-use crate::{enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc};
+use sidestep::{enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc};
 
 mod plugin;
 pub use plugin::{repair, repair_config, run_plugin, run_plugin_with_args};
@@ -48,7 +48,7 @@ pub enum ReconcileError {
     #[error("cannot unenrol netns cookie {cookie}: {source}")]
     Unenroll {
         cookie: u64,
-        source: crate::error::EnrollError,
+        source: sidestep::error::EnrollError,
     },
     #[error("cannot remove the record {path}: {source}")]
     RemoveRecord {
@@ -103,12 +103,12 @@ pub fn unenroll(pin_root: &Path, cookie: u64) -> Result<bool, ReconcileError> {
 fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
     use std::os::fd::AsFd as _;
     let layout = PinLayout::new(pin_root);
-    let info = |pin: &Path| crate::sys::obj_get(pin).and_then(|l| crate::sys::link_info(l.as_fd()));
+    let info = |pin: &Path| sidestep::sys::obj_get(pin).and_then(|l| sidestep::sys::link_info(l.as_fd()));
     // The netns's sk_lookup link (every pod with inbound capture has one): the kernel detaches
     // it when the netns dies, and then reports no netns inode.
     let lookup = tc::sk_lookup_pin(&layout, cookie);
     if lookup.exists() {
-        return matches!(info(&lookup), Ok(i) if i.link_type == crate::sys::BPF_LINK_TYPE_NETNS && i.netns_ino == 0);
+        return matches!(info(&lookup), Ok(i) if i.link_type == sidestep::sys::BPF_LINK_TYPE_NETNS && i.netns_ino == 0);
     }
     let dir = tc::pod_links_dir(&layout, cookie);
     let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -121,7 +121,7 @@ fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
             continue;
         }
         match info(&e.path()) {
-            Ok(i) if i.link_type == crate::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => any = true,
+            Ok(i) if i.link_type == sidestep::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => any = true,
             _ => return false,
         }
     }
@@ -198,7 +198,7 @@ pub const PENDING_TIMEOUT: Duration = Duration::from_secs(60);
 #[serde(rename_all = "camelCase")]
 struct Enrolment {
     ifname: String,
-    policy: crate::policy::Policy,
+    policy: sidestep::policy::Policy,
     #[serde(default)]
     pending: bool,
     #[serde(default)]
@@ -320,10 +320,10 @@ pub(super) fn forget(s: &Settings, path: &Path, record: &Record) -> Result<(), R
 }
 
 /// Removes a removed record's entry from the plugin's netns-cookie index
-/// ([`crate::stateindex`]), with the cookie's markers when `last`. A stale entry only costs a
+/// ([`sidestep::stateindex`]), with the cookie's markers when `last`. A stale entry only costs a
 /// lookup (an entry counts with its record), and the plugin's GC sweeps it: a warning.
 fn unindex(s: &Settings, record: &Record, last: bool) {
-    if let Err(e) = crate::stateindex::Index::new(&s.state_dir).remove(
+    if let Err(e) = sidestep::stateindex::Index::new(&s.state_dir).remove(
         record.netns_cookie,
         &record.container_id,
         &record.ifname,
@@ -614,7 +614,7 @@ mod tests {
                 ("fd00::3".parse().unwrap(), 64),
             ],
         };
-        let policy = crate::policy::Policy::default();
+        let policy = sidestep::policy::Policy::default();
         let net = ("k8s".to_string(), "0.3.1".to_string());
         let x = LiveNetns {
             path: "/run/netns/x".into(),

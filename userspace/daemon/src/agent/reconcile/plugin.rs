@@ -22,7 +22,7 @@ use crate::agent::{
 pub fn repair_config(
     entry: &Value,
     network: &Network,
-    policy: &crate::policy::Policy,
+    policy: &sidestep::policy::Policy,
     netns: &LiveNetns,
     addrs: &pods::PodAddresses,
 ) -> Value {

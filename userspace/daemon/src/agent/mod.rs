@@ -53,7 +53,7 @@ use self::{
     settings::{CniMode, LogFormat},
     template::Values,
 };
-use crate::{
+use sidestep::{
     loader::{self, CGROUP_PROGRAMS, LoadOptions, LoadOutcome},
     mounts,
     pins::PinLayout,

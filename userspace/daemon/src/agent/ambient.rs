@@ -29,10 +29,9 @@ use std::{
 mod leave;
 
 use super::{Agent, pods, repair};
-use crate::{
-    netns::Netns,
-    zds::{Workload, ZdsError, ZdsServer},
-};
+use sidestep::netns::Netns;
+
+use crate::zds::{Workload, ZdsError, ZdsServer};
 
 /// The annotation istio-cni writes on an ambient pod, and its two values.
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";

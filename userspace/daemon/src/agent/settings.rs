@@ -21,7 +21,7 @@ use super::{
     http::Listen,
     template::{self, PluginTemplate},
 };
-use crate::{mounts, pins::DEFAULT_PIN_ROOT, policy::Policy};
+use sidestep::{mounts, pins::DEFAULT_PIN_ROOT, policy::Policy};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
