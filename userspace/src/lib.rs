@@ -14,6 +14,7 @@ pub mod mounts;
 pub mod netns;
 pub mod pins;
 pub mod policy;
+pub mod programs;
 mod rtnl;
 pub mod stateindex;
 pub mod status;

@@ -44,7 +44,7 @@ impl PinLayout {
     /// creates. A load killed half-way does not count, so the plugin answers "try again later"
     /// instead of enrolling pods into a half-attached data path.
     pub fn is_loaded(&self) -> bool {
-        let programs = crate::loader::CGROUP_PROGRAMS;
+        let programs = crate::programs::CGROUP_PROGRAMS;
         let last = programs[programs.len() - 1].attach_point;
         self.map(sidestep_abi::map_names::POD_POLICY).exists() && self.cgroup_link(last).exists()
     }

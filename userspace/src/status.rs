@@ -12,11 +12,11 @@ use serde::Serialize;
 use sidestep_abi::{Counters, PodPolicy, flags, program_names};
 
 use crate::{
-    loader::{CGROUP_PROGRAMS, MAP_PROGRAMS, POD_PROGRAMS},
     maps::PolicyMaps,
     mounts,
     pins::PinLayout,
     policy::InboundHook,
+    programs::{CGROUP_PROGRAMS, MAP_PROGRAMS, POD_PROGRAMS},
     sys,
 };
 

@@ -262,9 +262,9 @@ impl AddressFollower {
         synced.over_budget = new.len().min(pod_room).saturating_sub(room);
         new.truncate(room);
         for words in &new {
-            maps.addresses
-                .insert(words, self.cookie, 0)
-                .map_err(|e| sidestep::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e))?;
+            maps.addresses.insert(words, self.cookie, 0).map_err(|e| {
+                sidestep::maps::classify(sidestep_abi::map_names::POD_ADDRESSES, 0, e)
+            })?;
             self.added.insert(*words);
             synced.added.push(words_address(words));
         }

@@ -54,9 +54,10 @@ use self::{
     template::Values,
 };
 use sidestep::{
-    loader::{self, CGROUP_PROGRAMS, LoadOptions, LoadOutcome},
+    loader::{self, LoadOptions, LoadOutcome},
     mounts,
     pins::PinLayout,
+    programs::CGROUP_PROGRAMS,
     sys,
 };
 

@@ -38,7 +38,9 @@ use super::{
 };
 use sidestep_abi::map_names;
 
-use sidestep::{enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc};
+use sidestep::{
+    enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc,
+};
 
 mod plugin;
 pub use plugin::{repair, repair_config, run_plugin, run_plugin_with_args};
@@ -103,7 +105,8 @@ pub fn unenroll(pin_root: &Path, cookie: u64) -> Result<bool, ReconcileError> {
 fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
     use std::os::fd::AsFd as _;
     let layout = PinLayout::new(pin_root);
-    let info = |pin: &Path| sidestep::sys::obj_get(pin).and_then(|l| sidestep::sys::link_info(l.as_fd()));
+    let info =
+        |pin: &Path| sidestep::sys::obj_get(pin).and_then(|l| sidestep::sys::link_info(l.as_fd()));
     // The netns's sk_lookup link (every pod with inbound capture has one): the kernel detaches
     // it when the netns dies, and then reports no netns inode.
     let lookup = tc::sk_lookup_pin(&layout, cookie);
@@ -121,7 +124,9 @@ fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
             continue;
         }
         match info(&e.path()) {
-            Ok(i) if i.link_type == sidestep::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => any = true,
+            Ok(i) if i.link_type == sidestep::sys::BPF_LINK_TYPE_TCX && i.ifindex == 0 => {
+                any = true
+            }
             _ => return false,
         }
     }
