@@ -513,9 +513,9 @@ fn update_pod_links(layout: &PinLayout, ebpf: &aya::Ebpf) -> Result<(), LoadErro
                         .filter(|i| crate::tcattach::is_link_pin(&i.path()))
                         .map(|i| {
                             let name = i.file_name().to_string_lossy().into_owned();
-                            let prog = if name.ends_with(crate::tc::REROUTE_INGRESS_SUFFIX) {
+                            let prog = if name.ends_with(crate::pins::REROUTE_INGRESS_SUFFIX) {
                                 reroute_in.as_fd()
-                            } else if name.ends_with(crate::tc::REROUTE_EGRESS_SUFFIX) {
+                            } else if name.ends_with(crate::pins::REROUTE_EGRESS_SUFFIX) {
                                 reroute_eg.as_fd()
                             } else {
                                 tc_prog.as_fd()
@@ -585,33 +585,10 @@ pub fn unload(pin_root: &Path) -> Result<(), LoadError> {
             }
         }
     }
-    detach_links_under(&layout.links_dir())?;
+    crate::links::detach_links_under(&layout.links_dir())?;
     fs::remove_dir_all(pin_root).map_err(|source| LoadError::Unpin {
         path: pin_root.to_path_buf(),
         source,
     })?;
-    Ok(())
-}
-
-/// Detaches each pinned link below `dir` (recursively) and removes its pin.
-pub fn detach_links_under(dir: &Path) -> Result<(), LoadError> {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return Ok(());
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            detach_links_under(&path)?;
-            continue;
-        }
-        // A pin that no longer opens (or is not a link) is still removed.
-        if let Ok(link) = sys::obj_get(&path) {
-            let _ = sys::link_detach(link.as_fd());
-        }
-        fs::remove_file(&path).map_err(|source| LoadError::Unpin {
-            path: path.clone(),
-            source,
-        })?;
-    }
     Ok(())
 }

@@ -40,6 +40,17 @@ impl PinLayout {
     pub fn cgroup_link(&self, attach_point: &str) -> PathBuf {
         self.links_dir().join(attach_point)
     }
+    /// A pod's tc and re-route link pins: `links/tc/<netns cookie>/<ifname>` (and
+    /// `<ifname>` plus a re-route suffix).
+    pub fn pod_links_dir(&self, netns_cookie: u64) -> PathBuf {
+        self.links_dir().join("tc").join(netns_cookie.to_string())
+    }
+    /// A pod's shared sk_lookup link.
+    pub fn sk_lookup_pin(&self, netns_cookie: u64) -> PathBuf {
+        self.links_dir()
+            .join("sklookup")
+            .join(netns_cookie.to_string())
+    }
     /// Whether a load finished here: the maps are pinned, and so is the last cgroup link a load
     /// creates. A load killed half-way does not count, so the plugin answers "try again later"
     /// instead of enrolling pods into a half-attached data path.
@@ -48,6 +59,17 @@ impl PinLayout {
         let last = programs[programs.len() - 1].attach_point;
         self.map(sidestep_abi::map_names::POD_POLICY).exists() && self.cgroup_link(last).exists()
     }
+}
+
+/// Pin-name suffixes of a re-routed interface's two links, beside the inbound links in
+/// `<pin_root>/links/tc/<netns cookie>/`. An interface name cannot contain ':', so the pins never
+/// clash with an inbound link's (bpffs refuses '.' in names).
+pub const REROUTE_INGRESS_SUFFIX: &str = ":reroute-ingress";
+pub const REROUTE_EGRESS_SUFFIX: &str = ":reroute-egress";
+
+/// Whether a pin name under a pod's tc link directory is a re-route link.
+pub fn is_reroute_pin(name: &str) -> bool {
+    name.ends_with(REROUTE_INGRESS_SUFFIX) || name.ends_with(REROUTE_EGRESS_SUFFIX)
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ fn rerouted_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
     let mut v: Vec<String> = crate::tc::reroute_pins(layout, netns_cookie)
         .into_iter()
         .filter_map(|p| {
-            p.strip_suffix(crate::tc::REROUTE_INGRESS_SUFFIX)
+            p.strip_suffix(crate::pins::REROUTE_INGRESS_SUFFIX)
                 .map(str::to_owned)
         })
         .collect();

@@ -4,7 +4,7 @@
 use std::{
     fs,
     os::{fd::AsFd as _, unix::fs::DirBuilderExt},
-    path::{Path, PathBuf},
+    path::Path,
 };
 
 use aya::programs::SchedClassifier;
@@ -12,16 +12,12 @@ use sidestep_abi::program_names;
 
 use crate::{
     error::{EnrollError, LoadError},
-    loader::detach_links_under,
+    links::{self, detach_links_under},
     netns::Netns,
-    pins::PinLayout,
+    pins::{PinLayout, REROUTE_EGRESS_SUFFIX, REROUTE_INGRESS_SUFFIX, is_reroute_pin},
     policy::InboundHook,
     tcattach,
 };
-
-pub fn pod_links_dir(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
-    layout.links_dir().join("tc").join(netns_cookie.to_string())
-}
 
 /// Per-pod link directories are 0700 like the pin root the loader makes, so that no directory
 /// below it is open to other users even where the pin root's own mode was loosened.
@@ -53,7 +49,7 @@ pub fn attach_inbound(
     excluded: &[String],
     hook: InboundHook,
 ) -> Result<Vec<(String, u32)>, EnrollError> {
-    let dir = pod_links_dir(layout, netns_cookie);
+    let dir = layout.pod_links_dir(netns_cookie);
     mkdir_private(&dir).map_err(|source| EnrollError::StateDir {
         path: dir.clone(),
         source,
@@ -134,25 +130,10 @@ fn detach_pins_here(dir: &Path) {
 /// netns while it lives) and removes its pin.
 pub fn detach_link_pin(layout: &PinLayout, netns_cookie: u64, pin: &Path) {
     if tcattach::is_link_pin(pin) {
-        detach_links_under_file(pin);
+        links::detach_link(pin);
         return;
     }
     tcattach::detach_record(tcattach::find_pod_netns(layout, netns_cookie).as_ref(), pin);
-}
-
-fn detach_links_under_file(pin: &std::path::Path) {
-    if let Ok(link) = crate::sys::obj_get(pin) {
-        use std::os::fd::AsFd as _;
-        let _ = crate::sys::link_detach(link.as_fd());
-    }
-    let _ = fs::remove_file(pin);
-}
-
-pub fn sk_lookup_pin(layout: &PinLayout, netns_cookie: u64) -> PathBuf {
-    layout
-        .links_dir()
-        .join("sklookup")
-        .join(netns_cookie.to_string())
 }
 
 /// The pod's sk_lookup links: its identity program first, then the shared program (the kernel's
@@ -165,7 +146,7 @@ fn attach_sk_lookup(
     netns: &Netns,
     netns_cookie: u64,
 ) -> Result<(), crate::error::NetnsError> {
-    let pin = sk_lookup_pin(layout, netns_cookie);
+    let pin = layout.sk_lookup_pin(netns_cookie);
     let id_pin = crate::identity::pin(layout, netns_cookie);
     let io = |e: std::io::Error| crate::error::NetnsError::Enter {
         path: netns.path().to_path_buf(),
@@ -235,9 +216,9 @@ pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadE
     // Filters first: their netns is found through the sk_lookup link.
     tcattach::detach_filter_records(layout, netns_cookie);
     // The shared program first: without it the identity program only writes a slot.
-    detach_links_under_file(&sk_lookup_pin(layout, netns_cookie));
-    detach_links_under_file(&crate::identity::pin(layout, netns_cookie));
-    let dir = pod_links_dir(layout, netns_cookie);
+    links::detach_link(&layout.sk_lookup_pin(netns_cookie));
+    links::detach_link(&crate::identity::pin(layout, netns_cookie));
+    let dir = layout.pod_links_dir(netns_cookie);
     detach_links_under(&dir)?;
     match fs::remove_dir(&dir) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(LoadError::Unpin {
@@ -250,7 +231,7 @@ pub fn detach_inbound(layout: &PinLayout, netns_cookie: u64) -> Result<(), LoadE
 
 /// Whether the pod's sk_lookup link is pinned and still attached to its netns.
 pub fn has_sk_lookup(layout: &PinLayout, netns_cookie: u64) -> bool {
-    sk_lookup_attached(&sk_lookup_pin(layout, netns_cookie))
+    sk_lookup_attached(&layout.sk_lookup_pin(netns_cookie))
 }
 
 /// Whether the pod's identity link is pinned and attached (without it sk_lookup finds the pod
@@ -284,7 +265,7 @@ fn sk_lookup_attached(pin: &std::path::Path) -> bool {
 
 /// The interfaces of a pod that currently have a pinned inbound tc link.
 pub fn attached_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
-    fs::read_dir(pod_links_dir(layout, netns_cookie))
+    fs::read_dir(layout.pod_links_dir(netns_cookie))
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -296,7 +277,7 @@ pub fn attached_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String>
 
 /// The pod's re-route link pins (`<ifname>:reroute-ingress`, `<ifname>:reroute-egress`).
 pub fn reroute_pins(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
-    fs::read_dir(pod_links_dir(layout, netns_cookie))
+    fs::read_dir(layout.pod_links_dir(netns_cookie))
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -304,17 +285,6 @@ pub fn reroute_pins(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// Pin-name suffixes of a re-routed interface's two links, beside the inbound links in
-/// `<pin_root>/links/tc/<netns cookie>/`. An interface name cannot contain ':', so the pins never
-/// clash with an inbound link's (bpffs refuses '.' in names).
-pub const REROUTE_INGRESS_SUFFIX: &str = ":reroute-ingress";
-pub const REROUTE_EGRESS_SUFFIX: &str = ":reroute-egress";
-
-/// Whether a pin name under a pod's tc link directory is a re-route link.
-pub fn is_reroute_pin(name: &str) -> bool {
-    name.ends_with(REROUTE_INGRESS_SUFFIX) || name.ends_with(REROUTE_EGRESS_SUFFIX)
 }
 
 /// One re-routed virtual interface as the data path knows it.
@@ -410,7 +380,7 @@ pub fn attach_reroute(
     netns_cookie: u64,
     names: &[String],
 ) -> Result<(), EnrollError> {
-    let dir = pod_links_dir(layout, netns_cookie);
+    let dir = layout.pod_links_dir(netns_cookie);
     mkdir_private(&dir).map_err(|source| EnrollError::StateDir {
         path: dir.clone(),
         source,
@@ -468,7 +438,7 @@ pub fn attach_reroute(
 
 /// Detaches the pod's re-route links only (the inbound ones stay).
 pub fn detach_reroute(layout: &PinLayout, netns: &Netns, netns_cookie: u64) {
-    let dir = pod_links_dir(layout, netns_cookie);
+    let dir = layout.pod_links_dir(netns_cookie);
     let _ = netns.run(|| {
         for e in fs::read_dir(&dir).into_iter().flat_map(|d| d.flatten()) {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -485,7 +455,7 @@ pub fn detach_reroute(layout: &PinLayout, netns: &Netns, netns_cookie: u64) {
 
 /// The re-routed interfaces of a pod that have both links pinned.
 pub fn rerouted_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
-    let names: Vec<String> = fs::read_dir(pod_links_dir(layout, netns_cookie))
+    let names: Vec<String> = fs::read_dir(layout.pod_links_dir(netns_cookie))
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())

@@ -247,9 +247,9 @@ fn remove_idle_clsact(ifindex: u32) {
 
 /// The pin-name suffix of each slot, beside the interface name.
 pub fn slot_of_pin(name: &str) -> (String, Slot) {
-    if let Some(i) = name.strip_suffix(crate::tc::REROUTE_INGRESS_SUFFIX) {
+    if let Some(i) = name.strip_suffix(crate::pins::REROUTE_INGRESS_SUFFIX) {
         (i.to_string(), REROUTE_INGRESS)
-    } else if let Some(i) = name.strip_suffix(crate::tc::REROUTE_EGRESS_SUFFIX) {
+    } else if let Some(i) = name.strip_suffix(crate::pins::REROUTE_EGRESS_SUFFIX) {
         (i.to_string(), REROUTE_EGRESS)
     } else {
         (name.to_string(), INBOUND)
@@ -282,7 +282,7 @@ pub fn filter_records(dir: &Path) -> Vec<PathBuf> {
 /// cookie, so an inode reused by a later netns is never taken for the pod's.
 pub fn find_pod_netns(layout: &PinLayout, netns_cookie: u64) -> Option<Netns> {
     use std::os::unix::fs::MetadataExt as _;
-    let ino = sys::obj_get(&crate::tc::sk_lookup_pin(layout, netns_cookie))
+    let ino = sys::obj_get(&layout.sk_lookup_pin(netns_cookie))
         .and_then(|l| sys::link_info(l.as_fd()))
         .ok()
         .map(|i| u64::from(i.netns_ino))
@@ -313,7 +313,7 @@ pub fn find_pod_netns(layout: &PinLayout, netns_cookie: u64) -> Option<Netns> {
 /// Deletes the filters the pod's records name, inside its netns when that still lives (a dead
 /// netns took its filters with it), and removes the records. TCX links are left to the caller.
 pub fn detach_filter_records(layout: &PinLayout, netns_cookie: u64) {
-    let dir = crate::tc::pod_links_dir(layout, netns_cookie);
+    let dir = layout.pod_links_dir(netns_cookie);
     let records = filter_records(&dir);
     if records.is_empty() {
         return;
@@ -344,7 +344,7 @@ pub fn detach_record(netns: Option<&Netns>, pin: &Path) {
 /// Points the pod's filters at the programs pinned now (an upgrade's new ones) and re-pins their
 /// records. Returns how many were switched and how many were gone with their netns.
 pub fn update_filter_records(layout: &PinLayout, netns_cookie: u64) -> io::Result<(usize, usize)> {
-    let dir = crate::tc::pod_links_dir(layout, netns_cookie);
+    let dir = layout.pod_links_dir(netns_cookie);
     let records = filter_records(&dir);
     if records.is_empty() {
         return Ok((0, 0));

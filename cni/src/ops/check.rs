@@ -2,8 +2,8 @@
 //! the recorded policy, and the tc program on each recorded interface.
 
 use sidestep::{
+    pins::{REROUTE_EGRESS_SUFFIX, REROUTE_INGRESS_SUFFIX},
     policy::InboundHook,
-    tc::{REROUTE_EGRESS_SUFFIX, REROUTE_INGRESS_SUFFIX},
 };
 
 use super::{Ctx, Resolved, pod_label, require_loaded, resolve};

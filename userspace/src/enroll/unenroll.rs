@@ -449,7 +449,7 @@ pub fn unenroll_attachment(
         }
     }
     let layout = PinLayout::new(pin_root);
-    let pin = tc::pod_links_dir(&layout, netns_cookie).join(ifname);
+    let pin = layout.pod_links_dir(netns_cookie).join(ifname);
     if pin.exists() {
         tc::detach_link_pin(&layout, netns_cookie, &pin);
     }

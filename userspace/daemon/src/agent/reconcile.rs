@@ -109,18 +109,18 @@ fn links_say_gone(pin_root: &Path, cookie: u64) -> bool {
         |pin: &Path| sidestep::sys::obj_get(pin).and_then(|l| sidestep::sys::link_info(l.as_fd()));
     // The netns's sk_lookup link (every pod with inbound capture has one): the kernel detaches
     // it when the netns dies, and then reports no netns inode.
-    let lookup = tc::sk_lookup_pin(&layout, cookie);
+    let lookup = layout.sk_lookup_pin(cookie);
     if lookup.exists() {
         return matches!(info(&lookup), Ok(i) if i.link_type == sidestep::sys::BPF_LINK_TYPE_NETNS && i.netns_ino == 0);
     }
-    let dir = tc::pod_links_dir(&layout, cookie);
+    let dir = layout.pod_links_dir(cookie);
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return false;
     };
     let mut any = false;
     for e in entries.flatten() {
         // A re-routed interface (a VM's) may go while its pod lives; only inbound links count.
-        if tc::is_reroute_pin(&e.file_name().to_string_lossy()) {
+        if sidestep::pins::is_reroute_pin(&e.file_name().to_string_lossy()) {
             continue;
         }
         match info(&e.path()) {
