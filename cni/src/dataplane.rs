@@ -13,8 +13,8 @@ use sidestep::{
     maps::{MapIdentity, PolicyMaps},
     netns::Netns,
     pins::PinLayout,
+    podlinks,
     policy::{InboundHook, Policy},
-    tc,
 };
 
 use crate::spec::{CniError, code, error::ToCniError};
@@ -186,7 +186,7 @@ impl Dataplane for Pinned {
         match self.open_for_unenrol(cookie)? {
             Some(mut maps) => {
                 let was = enroll::unenroll_cookie(&mut maps, cookie)?;
-                tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
                 Ok(was)
             }
             None => Ok(false),
@@ -197,7 +197,7 @@ impl Dataplane for Pinned {
         match self.open_for_unenrol(cookie)? {
             Some(mut maps) => {
                 let was = enroll::unenroll_recorded(&mut maps, cookie, recorded)?;
-                tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
                 Ok(was)
             }
             None => Ok(false),
@@ -220,15 +220,15 @@ impl Dataplane for Pinned {
     }
 
     fn attached_interfaces(&self, cookie: u64) -> Vec<String> {
-        tc::attached_interfaces(&PinLayout::new(&self.pin_root), cookie)
+        podlinks::attached_interfaces(&PinLayout::new(&self.pin_root), cookie)
     }
 
     fn has_sk_lookup(&self, cookie: u64) -> bool {
-        tc::has_sk_lookup(&PinLayout::new(&self.pin_root), cookie)
+        podlinks::has_sk_lookup(&PinLayout::new(&self.pin_root), cookie)
     }
 
     fn has_identity(&self, cookie: u64) -> bool {
-        tc::has_identity(&PinLayout::new(&self.pin_root), cookie)
+        podlinks::has_identity(&PinLayout::new(&self.pin_root), cookie)
     }
 
     fn missing_addresses(
@@ -251,7 +251,7 @@ impl Dataplane for Pinned {
     }
 
     fn reroute_pins(&self, cookie: u64) -> Vec<String> {
-        tc::reroute_pins(&PinLayout::new(&self.pin_root), cookie)
+        podlinks::reroute_pins(&PinLayout::new(&self.pin_root), cookie)
     }
 
     fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError> {
@@ -296,7 +296,7 @@ impl Pinned {
             // Also without a pod entry: a DEL killed after removing it left the pod's rules.
             Ok(maps) => Ok(Some(maps)),
             Err(MapsError::NotLoaded(_)) => {
-                tc::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
                 Ok(None)
             }
             Err(e) => Err(e.into()),

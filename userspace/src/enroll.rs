@@ -41,8 +41,9 @@ use crate::{
     maps::{PolicyMaps, classify},
     netns::Netns,
     pins::PinLayout,
+    podlinks,
     policy::{CidrSet, MapEntries, Policy},
-    tc, tproxy,
+    tproxy,
 };
 
 /// What an enrolment wrote, for the caller's state record.
@@ -172,7 +173,7 @@ pub fn enroll_netns(
         .cloned()
         .collect();
     let attached = if entries.pod.flags & flags::INBOUND != 0 {
-        match tc::attach_inbound(
+        match podlinks::attach_inbound(
             &layout,
             netns,
             netns_cookie,
@@ -182,7 +183,7 @@ pub fn enroll_netns(
         ) {
             Ok(a) => {
                 crate::sys::failpoint("enroll:after-links");
-                let tc_links: Vec<u32> = tc::attached_interfaces(&layout, netns_cookie)
+                let tc_links: Vec<u32> = podlinks::attached_interfaces(&layout, netns_cookie)
                     .iter()
                     .filter_map(|n| facts.ifindex(n))
                     .collect();
@@ -196,7 +197,7 @@ pub fn enroll_netns(
                 ) {
                     if !was_enrolled {
                         let _ = unenroll_cookie(&mut maps, netns_cookie);
-                        let _ = tc::detach_inbound(&layout, netns_cookie);
+                        let _ = podlinks::detach_inbound(&layout, netns_cookie);
                     }
                     undo_tproxy();
                     return Err(e.into());
@@ -206,14 +207,14 @@ pub fn enroll_netns(
             Err(e) => {
                 if !was_enrolled {
                     let _ = unenroll_cookie(&mut maps, netns_cookie);
-                    let _ = tc::detach_inbound(&layout, netns_cookie);
+                    let _ = podlinks::detach_inbound(&layout, netns_cookie);
                 }
                 undo_tproxy();
                 return Err(e);
             }
         }
     } else {
-        tc::detach_inbound(&layout, netns_cookie)?;
+        podlinks::detach_inbound(&layout, netns_cookie)?;
         Vec::new()
     };
     if let Err(e) = set_reroute(
@@ -226,7 +227,7 @@ pub fn enroll_netns(
     ) {
         if !was_enrolled {
             let _ = unenroll_cookie(&mut maps, netns_cookie);
-            let _ = tc::detach_inbound(&layout, netns_cookie);
+            let _ = podlinks::detach_inbound(&layout, netns_cookie);
         }
         undo_tproxy();
         return Err(e);
@@ -604,7 +605,7 @@ fn set_reroute(
     let found = if names.is_empty() {
         Vec::new()
     } else {
-        tc::reroute_interfaces(netns, netns_cookie, names, all_ranges)?
+        podlinks::reroute_interfaces(netns, netns_cookie, names, all_ranges)?
     };
     let mut added = Vec::new();
     let written = (|| {
@@ -632,9 +633,9 @@ fn set_reroute(
             added.push(iface.key);
         }
         if !names.is_empty() {
-            tc::attach_reroute(layout, netns, netns_cookie, names)?;
+            podlinks::attach_reroute(layout, netns, netns_cookie, names)?;
         } else if was_enrolled {
-            tc::detach_reroute(layout, netns, netns_cookie);
+            podlinks::detach_reroute(layout, netns, netns_cookie);
         }
         Ok(())
     })();

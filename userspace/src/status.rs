@@ -22,7 +22,7 @@ use crate::{
 
 /// The pod's re-routed interfaces: those with a re-route ingress link pinned.
 fn rerouted_interfaces(layout: &PinLayout, netns_cookie: u64) -> Vec<String> {
-    let mut v: Vec<String> = crate::tc::reroute_pins(layout, netns_cookie)
+    let mut v: Vec<String> = crate::podlinks::reroute_pins(layout, netns_cookie)
         .into_iter()
         .filter_map(|p| {
             p.strip_suffix(crate::pins::REROUTE_INGRESS_SUFFIX)
@@ -289,7 +289,7 @@ pub fn collect(pin_root: &Path) -> Status {
                     } else {
                         InboundHook::Tc.as_str()
                     },
-                    interfaces: crate::tc::attached_interfaces(&layout, cookie),
+                    interfaces: crate::podlinks::attached_interfaces(&layout, cookie),
                     inbound_ifindexes: ifindexes.remove(&cookie).unwrap_or_default(),
                     rerouted: rerouted_interfaces(&layout, cookie),
                     source_addresses: maps.source_addresses(cookie),

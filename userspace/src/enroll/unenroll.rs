@@ -24,8 +24,9 @@ use crate::{
     maps::{PolicyMaps, classify},
     netns::Netns,
     pins::PinLayout,
+    podlinks,
     policy::Policy,
-    tc, tproxy,
+    tproxy,
 };
 
 /// What a caller recorded of an enrolment: enough to delete exactly its keys.
@@ -451,7 +452,7 @@ pub fn unenroll_attachment(
     let layout = PinLayout::new(pin_root);
     let pin = layout.pod_links_dir(netns_cookie).join(ifname);
     if pin.exists() {
-        tc::detach_link_pin(&layout, netns_cookie, &pin);
+        podlinks::detach_link_pin(&layout, netns_cookie, &pin);
     }
     first.into_result().map_err(Into::into)
 }
@@ -478,6 +479,6 @@ pub fn unenroll(pin_root: &Path, netns_path: &Path) -> Result<bool, EnrollError>
 pub fn unenroll_by_cookie(pin_root: &Path, netns_cookie: u64) -> Result<bool, EnrollError> {
     let mut maps = PolicyMaps::open(pin_root)?;
     let was = unenroll_cookie(&mut maps, netns_cookie)?;
-    tc::detach_inbound(&PinLayout::new(pin_root), netns_cookie)?;
+    podlinks::detach_inbound(&PinLayout::new(pin_root), netns_cookie)?;
     Ok(was)
 }

@@ -39,7 +39,7 @@ use super::{
 use sidestep_abi::map_names;
 
 use sidestep::{
-    enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, policy::InboundHook, tc,
+    enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, podlinks, policy::InboundHook,
 };
 
 mod plugin;
@@ -94,7 +94,7 @@ pub fn unenroll(pin_root: &Path, cookie: u64) -> Result<bool, ReconcileError> {
     if loaded {
         return enroll::unenroll_by_cookie(pin_root, cookie).map_err(err);
     }
-    tc::detach_inbound(&PinLayout::new(pin_root), cookie).map_err(|e| err(e.into()))?;
+    podlinks::detach_inbound(&PinLayout::new(pin_root), cookie).map_err(|e| err(e.into()))?;
     Ok(false)
 }
 
