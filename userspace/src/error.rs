@@ -1,66 +1,13 @@
-//! Errors per domain. Each message names the cause and, where there is one, the fix.
+//! Loading and enrolment errors, and every domain's error re-exported, so that callers have one
+//! place to name them. Each domain's enum lives beside its code (`mounts`, `maps`, `netns`,
+//! `policy`, `tproxy`, `userns`). Each message names the cause and, where there is one, the fix.
 
 use std::{io, path::PathBuf};
 
-/// How to give the agent the node's cgroup2 root when it cannot find it itself.
-const NODE_CGROUP_FIX: &str = "Set cgroup (--cgroup, SIDESTEP_CGROUP, or the ConfigMap key) to \
-    the host's cgroup2 root as mounted into the container (deploy/configmap.yaml: \
-    /host/sys/fs/cgroup, or /host/sys/fs/cgroup/unified on hybrid hosts), or run the agent in the \
-    host's cgroup namespace (`--cgroupns=host` for docker and podman, `cgroupns: host` in compose)";
-
-#[derive(Debug, thiserror::Error)]
-pub enum MountError {
-    #[error("cannot read /proc/self/mountinfo: {0}")]
-    MountInfo(#[source] io::Error),
-    #[error(
-        "no cgroup2 filesystem is mounted; mount one (mount -t cgroup2 none /sys/fs/cgroup) or boot with cgroup v2"
-    )]
-    NoCgroup2,
-    #[error(
-        "{path} is not a cgroup2 directory ({reason}); pass a directory under the cgroup2 mount"
-    )]
-    NotCgroup2 { path: PathBuf, reason: String },
-    #[error(
-        "the agent runs in a private cgroup namespace (/proc/self/ns/cgroup is cgroup:[{inode}], \
-         the node's is cgroup:[{init}]), so the cgroup2 mount it finds is its own container's \
-         cgroup, and programs attached there would capture no pod. {fix}",
-        init = crate::mounts::INIT_CGROUP_NS_INO,
-        fix = NODE_CGROUP_FIX
-    )]
-    PrivateCgroupNamespace { inode: u64 },
-    #[error(
-        "the cgroup2 mount at {mount_point} shows the subtree {root}, not the node's whole \
-         hierarchy (/), so programs attached there would capture only that subtree. {fix}",
-        fix = NODE_CGROUP_FIX
-    )]
-    Cgroup2NotRoot { mount_point: PathBuf, root: String },
-    #[error(
-        "cannot read /proc/self/ns/cgroup to tell whether the cgroup2 mount is the node's root: \
-         {0}. {fix}",
-        fix = NODE_CGROUP_FIX
-    )]
-    CgroupNamespace(#[source] io::Error),
-    #[error("cannot mount bpffs: {0}; mount it yourself with `mount -t bpf bpffs /sys/fs/bpf`")]
-    Bpffs(String),
-    #[error("the pin root {0} is not on a bpffs mount; choose a path under /sys/fs/bpf")]
-    PinRootNotBpffs(PathBuf),
-    #[error(
-        "no bpffs is mounted at {path}, and a bpffs the agent mounted there would be its \
-         container's alone: this is not the host's mount namespace, and the mount {path} lies on \
-         ({mount_point}) is {propagation}, so the mount would not reach the host. Its pins, and \
-         with them every pod's capture, would go when the container stops. Mount bpffs on the \
-         host (`mount -t bpf bpffs /sys/fs/bpf`; systemd's sys-fs-bpf.mount does it at boot), or \
-         let the DaemonSet mount it for the host: the /sys/fs/bpf hostPath volume mounted with \
-         `mountPropagation: Bidirectional` (Kubernetes allows that only in a privileged \
-         container, e.g. an init container running `mount -t bpf bpffs /sys/fs/bpf`; see \
-         deploy/README.md)"
-    )]
-    PrivateBpffs {
-        path: PathBuf,
-        mount_point: PathBuf,
-        propagation: &'static str,
-    },
-}
+pub use crate::{
+    maps::MapsError, mounts::MountError, netns::NetnsError, policy::PolicyError,
+    tproxy::TproxyError, userns::UsernsError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -127,94 +74,6 @@ pub enum LoadError {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum MapsError {
-    #[error(
-        "sidestep is not loaded at {0}: run `sidestep load --cgroup DIR --pin-root {0}` (or start the agent) first"
-    )]
-    NotLoaded(PathBuf),
-    #[error("cannot open pinned map {path}: {source}")]
-    Open {
-        path: PathBuf,
-        #[source]
-        source: aya::maps::MapError,
-    },
-    #[error("map {map}: {source}")]
-    Access {
-        map: &'static str,
-        #[source]
-        source: aya::maps::MapError,
-    },
-    #[error("cannot size per-CPU values: {0}")]
-    Cpus(String),
-    #[error(
-        "map {map} is full{}; unenrol pods or load with a larger capacity",
-        entries_note(*capacity)
-    )]
-    Full {
-        map: &'static str,
-        /// Its max_entries, or 0 where the caller did not look it up.
-        capacity: u32,
-    },
-    #[error(
-        "pod address {address} is registered to another enrolled pod (netns cookie {owner}); \
-         refusing to take it over (its DEL or the agent's GC releases it)"
-    )]
-    AddressOwned {
-        address: std::net::IpAddr,
-        owner: u64,
-    },
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum NetnsError {
-    #[error("cannot open network namespace {path}: {source}")]
-    Open { path: PathBuf, source: io::Error },
-    #[error("{0} is not a network namespace")]
-    NotNetns(PathBuf),
-    #[error(
-        "{0} is the host network namespace; sidestep never enrols it (hostNetwork pods are not captured)"
-    )]
-    HostNetns(PathBuf),
-    #[error("cannot enter network namespace {path}: {source}")]
-    Enter { path: PathBuf, source: io::Error },
-    #[error("cannot read the cookie of network namespace {path}: {source}")]
-    Cookie { path: PathBuf, source: io::Error },
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum PolicyError {
-    #[error("{field}: invalid port {value:?} (want 1-65535)")]
-    Port { field: String, value: String },
-    #[error("{field}: invalid CIDR {value:?} ({reason})")]
-    Cidr {
-        field: String,
-        value: String,
-        reason: String,
-    },
-    #[error("{field}: invalid value {value:?} ({reason})")]
-    Value {
-        field: String,
-        value: String,
-        reason: String,
-    },
-    /// One list alone past the pod's share of its node-wide map, found while parsing it (so a
-    /// list of thousands is never built).
-    #[error(
-        "{field}: more than {limit} {what}, the most one pod's lists may put in {map} \
-         (docs/OPERATIONS.md, \"Per-pod map budgets\")"
-    )]
-    TooLong {
-        field: String,
-        what: &'static str,
-        limit: usize,
-        map: &'static str,
-    },
-    /// The pod's lists together past its share of a node-wide map.
-    #[error(transparent)]
-    OverBudget(#[from] crate::policy::OverBudget),
-}
-
-#[derive(Debug, thiserror::Error)]
 pub enum EnrollError {
     #[error(transparent)]
     Netns(#[from] NetnsError),
@@ -225,9 +84,9 @@ pub enum EnrollError {
     #[error(transparent)]
     Pins(#[from] LoadError),
     #[error(transparent)]
-    Tproxy(#[from] crate::tproxy::TproxyError),
+    Tproxy(#[from] TproxyError),
     #[error(transparent)]
-    Userns(#[from] crate::userns::UsernsError),
+    Userns(#[from] UsernsError),
     #[error("cannot create {path}: {source}")]
     StateDir { path: PathBuf, source: io::Error },
     #[error(
@@ -251,12 +110,4 @@ pub enum EnrollError {
         "sk_msg cannot be enabled on this kernel: {0}. Without them it could not bound what it queues on the proxy's socket; enrol without --sk-msg (sidestep.io/sk-msg)"
     )]
     SkMsgUnsupported(String),
-}
-
-fn entries_note(capacity: u32) -> String {
-    if capacity == 0 {
-        String::new()
-    } else {
-        format!(" ({capacity} entries)")
-    }
 }

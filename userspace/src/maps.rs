@@ -1,7 +1,7 @@
 //! Typed handles on the pinned maps, opened by path. The CNI plugin, the CLI and the agent all
 //! reach the data path through this one type.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues, lpm_trie::LpmTrie};
 use sidestep_abi::{
@@ -9,7 +9,7 @@ use sidestep_abi::{
     map_names, program_names,
 };
 
-use crate::{error::MapsError, pins::PinLayout};
+use crate::pins::PinLayout;
 
 pub type PodMap = HashMap<MapData, u64, PodPolicy>;
 pub type PortMap = HashMap<MapData, PortKey, u8>;
@@ -314,4 +314,51 @@ pub fn classify(map: &'static str, capacity: u32, source: MapError) -> MapsError
         return MapsError::Full { map, capacity };
     }
     MapsError::Access { map, source }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapsError {
+    #[error(
+        "sidestep is not loaded at {0}: run `sidestep load --cgroup DIR --pin-root {0}` (or start the agent) first"
+    )]
+    NotLoaded(PathBuf),
+    #[error("cannot open pinned map {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("map {map}: {source}")]
+    Access {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot size per-CPU values: {0}")]
+    Cpus(String),
+    #[error(
+        "map {map} is full{}; unenrol pods or load with a larger capacity",
+        entries_note(*capacity)
+    )]
+    Full {
+        map: &'static str,
+        /// Its max_entries, or 0 where the caller did not look it up.
+        capacity: u32,
+    },
+    #[error(
+        "pod address {address} is registered to another enrolled pod (netns cookie {owner}); \
+         refusing to take it over (its DEL or the agent's GC releases it)"
+    )]
+    AddressOwned {
+        address: std::net::IpAddr,
+        owner: u64,
+    },
+}
+
+fn entries_note(capacity: u32) -> String {
+    if capacity == 0 {
+        String::new()
+    } else {
+        format!(" ({capacity} entries)")
+    }
 }

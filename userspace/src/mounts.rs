@@ -2,12 +2,10 @@
 //! hybrid hosts, /sys/fs/cgroup/unified; bpffs may not be mounted at all.
 
 use std::{
-    fs,
+    fs, io,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
-
-use crate::error::MountError;
 
 /// The inode of the initial cgroup namespace: `PROC_CGROUP_INIT_INO` in
 /// include/linux/proc_ns.h, the same on every kernel since cgroup namespaces exist (4.6).
@@ -242,6 +240,66 @@ pub fn is_bpffs(path: &Path) -> bool {
     nix::sys::statfs::statfs(path)
         .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
         .unwrap_or(false)
+}
+
+/// How to give the agent the node's cgroup2 root when it cannot find it itself.
+const NODE_CGROUP_FIX: &str = "Set cgroup (--cgroup, SIDESTEP_CGROUP, or the ConfigMap key) to \
+    the host's cgroup2 root as mounted into the container (deploy/configmap.yaml: \
+    /host/sys/fs/cgroup, or /host/sys/fs/cgroup/unified on hybrid hosts), or run the agent in the \
+    host's cgroup namespace (`--cgroupns=host` for docker and podman, `cgroupns: host` in compose)";
+
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("cannot read /proc/self/mountinfo: {0}")]
+    MountInfo(#[source] io::Error),
+    #[error(
+        "no cgroup2 filesystem is mounted; mount one (mount -t cgroup2 none /sys/fs/cgroup) or boot with cgroup v2"
+    )]
+    NoCgroup2,
+    #[error(
+        "{path} is not a cgroup2 directory ({reason}); pass a directory under the cgroup2 mount"
+    )]
+    NotCgroup2 { path: PathBuf, reason: String },
+    #[error(
+        "the agent runs in a private cgroup namespace (/proc/self/ns/cgroup is cgroup:[{inode}], \
+         the node's is cgroup:[{init}]), so the cgroup2 mount it finds is its own container's \
+         cgroup, and programs attached there would capture no pod. {fix}",
+        init = crate::mounts::INIT_CGROUP_NS_INO,
+        fix = NODE_CGROUP_FIX
+    )]
+    PrivateCgroupNamespace { inode: u64 },
+    #[error(
+        "the cgroup2 mount at {mount_point} shows the subtree {root}, not the node's whole \
+         hierarchy (/), so programs attached there would capture only that subtree. {fix}",
+        fix = NODE_CGROUP_FIX
+    )]
+    Cgroup2NotRoot { mount_point: PathBuf, root: String },
+    #[error(
+        "cannot read /proc/self/ns/cgroup to tell whether the cgroup2 mount is the node's root: \
+         {0}. {fix}",
+        fix = NODE_CGROUP_FIX
+    )]
+    CgroupNamespace(#[source] io::Error),
+    #[error("cannot mount bpffs: {0}; mount it yourself with `mount -t bpf bpffs /sys/fs/bpf`")]
+    Bpffs(String),
+    #[error("the pin root {0} is not on a bpffs mount; choose a path under /sys/fs/bpf")]
+    PinRootNotBpffs(PathBuf),
+    #[error(
+        "no bpffs is mounted at {path}, and a bpffs the agent mounted there would be its \
+         container's alone: this is not the host's mount namespace, and the mount {path} lies on \
+         ({mount_point}) is {propagation}, so the mount would not reach the host. Its pins, and \
+         with them every pod's capture, would go when the container stops. Mount bpffs on the \
+         host (`mount -t bpf bpffs /sys/fs/bpf`; systemd's sys-fs-bpf.mount does it at boot), or \
+         let the DaemonSet mount it for the host: the /sys/fs/bpf hostPath volume mounted with \
+         `mountPropagation: Bidirectional` (Kubernetes allows that only in a privileged \
+         container, e.g. an init container running `mount -t bpf bpffs /sys/fs/bpf`; see \
+         deploy/README.md)"
+    )]
+    PrivateBpffs {
+        path: PathBuf,
+        mount_point: PathBuf,
+        propagation: &'static str,
+    },
 }
 
 #[cfg(test)]

@@ -15,8 +15,6 @@ use std::{
 
 use nix::sched::{CloneFlags, setns};
 
-use crate::error::NetnsError;
-
 pub mod addresses;
 
 const NSFS_MAGIC: i64 = 0x6e73_6673;
@@ -218,6 +216,22 @@ pub fn node_netns_cookie() -> io::Result<Option<u64>> {
         return Ok(None);
     }
     socket_netns_cookie().map(Some)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error("cannot open network namespace {path}: {source}")]
+    Open { path: PathBuf, source: io::Error },
+    #[error("{0} is not a network namespace")]
+    NotNetns(PathBuf),
+    #[error(
+        "{0} is the host network namespace; sidestep never enrols it (hostNetwork pods are not captured)"
+    )]
+    HostNetns(PathBuf),
+    #[error("cannot enter network namespace {path}: {source}")]
+    Enter { path: PathBuf, source: io::Error },
+    #[error("cannot read the cookie of network namespace {path}: {source}")]
+    Cookie { path: PathBuf, source: io::Error },
 }
 
 #[cfg(test)]

@@ -15,10 +15,7 @@ use sidestep_abi::{
 };
 
 pub use self::budget::{OverBudget, RuleList, too_many_ports};
-use crate::{
-    enroll::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES},
-    error::PolicyError,
-};
+use crate::enroll::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES};
 
 /// A port list where `*` means every port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -703,6 +700,39 @@ impl Policy {
 
 pub mod ambient_selectors;
 mod budget;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{field}: invalid port {value:?} (want 1-65535)")]
+    Port { field: String, value: String },
+    #[error("{field}: invalid CIDR {value:?} ({reason})")]
+    Cidr {
+        field: String,
+        value: String,
+        reason: String,
+    },
+    #[error("{field}: invalid value {value:?} ({reason})")]
+    Value {
+        field: String,
+        value: String,
+        reason: String,
+    },
+    /// One list alone past the pod's share of its node-wide map, found while parsing it (so a
+    /// list of thousands is never built).
+    #[error(
+        "{field}: more than {limit} {what}, the most one pod's lists may put in {map} \
+         (docs/OPERATIONS.md, \"Per-pod map budgets\")"
+    )]
+    TooLong {
+        field: String,
+        what: &'static str,
+        limit: usize,
+        map: &'static str,
+    },
+    /// The pod's lists together past its share of a node-wide map.
+    #[error(transparent)]
+    OverBudget(#[from] OverBudget),
+}
 
 #[cfg(test)]
 mod tests;
