@@ -11,19 +11,20 @@
 pub mod exclusion;
 pub mod facts;
 pub mod hook;
-mod limits;
 mod passthrough;
 pub mod source;
+mod trim;
 mod unenroll;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};
 
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
-pub use limits::{
+use trim::{exclusion_routes, keep_within};
+
+pub use crate::limits::{
     BUDGETED_PODS, MAX_EXCLUSION_ROUTES, MAX_POD_ADDRESSES, MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES,
 };
-use limits::{exclusion_routes, keep_within};
 use sidestep_abi::{
     CidrKey, InterfaceKey, PodSource, PortKey, RerouteIfKey, cidr_list, flags, iface_kind,
     map_names, route_via,
@@ -93,11 +94,11 @@ pub fn enroll_netns(
     let previous_flags = maps.pods.get(&netns_cookie, 0).ok().map(|p| p.flags);
     let was_enrolled = previous_flags.is_some();
     let facts = facts::read(netns, !policy.exclude_interfaces.is_empty())?;
-    if interfaces.is_none() && facts.interfaces.len() > limits::MAX_UNNAMED_INTERFACES {
+    if interfaces.is_none() && facts.interfaces.len() > crate::limits::MAX_UNNAMED_INTERFACES {
         return Err(EnrollError::TooManyInterfaces {
             path: netns.path().to_path_buf(),
             count: facts.interfaces.len(),
-            max: limits::MAX_UNNAMED_INTERFACES,
+            max: crate::limits::MAX_UNNAMED_INTERFACES,
         });
     }
     // The proxy's IDs as the kernel sees them: a user-namespaced pod's UID 1337 is another UID
@@ -355,7 +356,7 @@ fn netns_keys(
                 tracing::warn!(
                     netns_cookie,
                     routes = facts.routes.len(),
-                    max = limits::MAX_EXCLUSION_ROUTES,
+                    max = crate::limits::MAX_EXCLUSION_ROUTES,
                     "the netns has more routes than are written for one pod's excluded \
                      interfaces; none is written, so connections are captured whatever \
                      interface their route takes (sockets bound to an excluded device excepted)"

@@ -8,6 +8,7 @@ pub mod enroll;
 pub mod error;
 pub mod features;
 pub mod identity;
+pub mod limits;
 pub mod links;
 pub mod loader;
 pub mod maps;

@@ -15,7 +15,7 @@ use sidestep_abi::{
 };
 
 pub use self::budget::{OverBudget, RuleList, too_many_ports};
-use crate::enroll::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES};
+use crate::limits::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES};
 
 /// A port list where `*` means every port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -16,9 +16,8 @@ use aya::maps::lpm_trie::Key;
 use sidestep_abi::{CidrKey, InterfaceKey, iface_kind, map_names, route_via};
 
 use super::{
-    NetnsFacts, Route,
-    limits::exclusion_routes,
-    route_entry,
+    NetnsFacts, Route, route_entry,
+    trim::exclusion_routes,
     unenroll::{interface_entries, route_list_keys},
 };
 use crate::{
@@ -40,7 +39,7 @@ pub struct ExclusionChanges {
     pub routes_written: usize,
     /// Route entries of routes that are gone, removed.
     pub routes_removed: usize,
-    /// The netns has more routes than [`super::limits::MAX_EXCLUSION_ROUTES`]: none is written,
+    /// The netns has more routes than [`crate::limits::MAX_EXCLUSION_ROUTES`]: none is written,
     /// so every connection is captured whatever interface its route takes. Not a change.
     pub routes_over_cap: Option<usize>,
 }

@@ -1,7 +1,7 @@
 //! One pod's share of the node-wide rule maps. `SIDESTEP_PORTS` and `SIDESTEP_CIDRS` hold the
 //! lists of every pod of the node, so a pod whose annotations list thousands of ports or CIDRs
 //! would fail every later ADD on the node. The budgets and their arithmetic are with the other
-//! per-pod caps, in `enroll/limits.rs`.
+//! per-pod caps, in `limits.rs`.
 
 use std::fmt::Write as _;
 
@@ -9,8 +9,8 @@ use sidestep_abi::{cidr_list, map_names, port_list};
 
 use super::Policy;
 use crate::{
-    enroll::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES},
     error::PolicyError,
+    limits::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES},
 };
 
 /// A list of a pod's policy as it lands in a node-wide map, named by the policy field that
