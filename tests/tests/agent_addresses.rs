@@ -362,7 +362,7 @@ fn a_node_wide_budget_bounds_what_flooding_pods_register() -> Result<()> {
         Ok(agent.metric("sidestep_late_addresses_added_total")?
             - agent.metric("sidestep_late_addresses_removed_total")?)
     };
-    // userspace/src/enroll/limits.rs, MAX_POD_ADDRESSES.
+    // userspace/src/limits.rs, MAX_POD_ADDRESSES.
     let cap = 64;
 
     // The first pod reaches its own cap; the budget has room left.
@@ -621,7 +621,7 @@ fn an_excluded_interface_attached_after_the_add_is_left_out_of_capture() -> Resu
     })
     .with_context(|| outbound.stdout())?;
 
-    // More routes than one pod writes for `-o <nic>` (userspace/src/enroll/limits.rs,
+    // More routes than one pod writes for `-o <nic>` (userspace/src/limits.rs,
     // MAX_EXCLUSION_ROUTES = 256): the follower writes none, says so, and a destination routed
     // through net1 is captured (fail closed).
     pod.ip_batch(&env, &sidestep_tests::host_routes(300, "10.100", "net1"))?;

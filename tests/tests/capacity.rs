@@ -350,7 +350,7 @@ fn enrolment_of_every_interface_of_a_crowded_netns_is_refused() -> Result<()> {
     let node = Node::new(&env, NodeOptions::ipv4_only())?;
     let pod = node.add_pod("crowded")?;
     let loaded = Loaded::load(&env)?;
-    // eth0 and 17 veth pairs inside the pod: 35 interfaces (userspace/src/enroll/limits.rs,
+    // eth0 and 17 veth pairs inside the pod: 35 interfaces (userspace/src/limits.rs,
     // MAX_UNNAMED_INTERFACES = 32).
     let lines: String = (0..17)
         .map(|i| format!("link add x{i} type veth peer name y{i}\n"))

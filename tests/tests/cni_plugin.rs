@@ -406,7 +406,7 @@ fn flooded_attachment() -> Result<()> {
     let recorded = rec["netnsKeys"]["interfaceAddresses"]
         .as_array()
         .map_or(0, Vec::len);
-    // userspace/src/enroll/limits.rs, MAX_POD_ADDRESSES.
+    // userspace/src/limits.rs, MAX_POD_ADDRESSES.
     ensure!(
         (1..=64).contains(&recorded),
         "{recorded} interface addresses recorded"
@@ -488,7 +488,7 @@ fn flooded_second_attachment() -> Result<()> {
         "eth0's pod IP {eth0_ip} is no longer registered after net1's ADD ({} addresses held)",
         held.len()
     );
-    // userspace/src/enroll/limits.rs, MAX_POD_ADDRESSES (plus net1's own pod IP).
+    // userspace/src/limits.rs, MAX_POD_ADDRESSES (plus net1's own pod IP).
     ensure!(held.len() <= 65, "{} addresses held", held.len());
 
     let mut del = env.clone();

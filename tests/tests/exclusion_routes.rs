@@ -155,7 +155,7 @@ fn a_flood_of_routes_writes_no_exclusion_routes() -> Result<()> {
 
     pod.ip_batch(&env, &sidestep_tests::host_routes(300, "10.100", "net1"))?;
     loaded.enroll(&pod, &["--policy", &policy])?;
-    // userspace/src/enroll/limits.rs, MAX_EXCLUSION_ROUTES (256).
+    // userspace/src/limits.rs, MAX_EXCLUSION_ROUTES (256).
     let flooded = route_list(&env)?.len();
     ensure!(
         flooded == 0,

@@ -15,7 +15,7 @@ use super::sandbox::{Sandbox, call, expect_err, expect_ok};
 const EXCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeOutboundPorts";
 const EXCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
 /// One pod's share of each map (`MAX_POD_PORT_RULES`, `MAX_POD_CIDR_RULES` in
-/// userspace/src/enroll/limits.rs).
+/// userspace/src/limits.rs).
 const MAX_POD_PORT_RULES: usize = 512;
 const MAX_POD_CIDR_RULES: usize = 256;
 

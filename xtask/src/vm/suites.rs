@@ -44,7 +44,12 @@ pub const CAPTURE: &[(&str, &[&str])] = &[
 pub const NOT_IN_FULL: &[&str] = &["bench"];
 
 /// The packages whose test binaries are built; `full` runs all of them.
-pub const PACKAGES: &[&str] = &["sidestep-tests", "sidestep", "sidestep-daemon", "sidestep-cni"];
+pub const PACKAGES: &[&str] = &[
+    "sidestep-tests",
+    "sidestep",
+    "sidestep-daemon",
+    "sidestep-cni",
+];
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Suite {
