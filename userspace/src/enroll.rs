@@ -38,8 +38,8 @@ use unenroll::{
 };
 
 use crate::{
-    error::{EnrollError, MapsError},
-    maps::{PolicyMaps, classify},
+    error::EnrollError,
+    maps::{MapsError, PolicyMaps, classify},
     netns::Netns,
     pins::PinLayout,
     podlinks,

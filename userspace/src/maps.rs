@@ -316,6 +316,37 @@ pub fn classify(map: &'static str, capacity: u32, source: MapError) -> MapsError
     MapsError::Access { map, source }
 }
 
+/// Deleted, or already gone: `Ok(true)` / `Ok(false)`.
+pub(crate) fn deleted(map: &'static str, result: Result<(), MapError>) -> Result<bool, MapsError> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(MapError::KeyNotFound) => Ok(false),
+        // aya reports a missing key on delete as the syscall's ENOENT.
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(false)
+        }
+        Err(e) => Err(classify(map, 0, e)),
+    }
+}
+
+/// Keeps the first error of a sequence of deletions that goes on after one fails.
+#[derive(Default)]
+pub(crate) struct FirstError(Option<MapsError>);
+
+impl FirstError {
+    pub(crate) fn note<T>(&mut self, r: Result<T, MapsError>) {
+        if let Err(e) = r
+            && self.0.is_none()
+        {
+            self.0 = Some(e);
+        }
+    }
+
+    pub(crate) fn into_result(self) -> Result<(), MapsError> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
     #[error(

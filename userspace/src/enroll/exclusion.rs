@@ -20,10 +20,7 @@ use super::{
     trim::exclusion_routes,
     unenroll::{interface_entries, route_list_keys},
 };
-use crate::{
-    error::MapsError,
-    maps::{PolicyMaps, classify},
-};
+use crate::maps::{MapsError, PolicyMaps, classify};
 
 /// A `ROUTE` list entry: (prefix bits, key, `route_via` value).
 pub(crate) type RouteEntry = (u32, CidrKey, u8);

@@ -11,7 +11,14 @@ use netlink_packet_route::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::{error::NetnsError, netns::Netns, rtnl::Rtnl};
+use ipnet::IpNet;
+use sidestep_abi::{CidrKey, cidr_list};
+
+use crate::{
+    netns::{Netns, NetnsError},
+    policy::cidr_entry,
+    rtnl::Rtnl,
+};
 
 /// The main routing table, the one `ip route` shows and pods route by.
 const RT_TABLE_MAIN: u32 = 254;
@@ -174,6 +181,24 @@ fn unicast_route(r: &RouteMessage) -> Option<Route> {
     })
 }
 
+/// A route of a multi-homed pod through an interface other than its source address's, with the
+/// address connections it carries leave from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceRoute {
+    pub destination: IpAddr,
+    pub prefix_len: u8,
+    pub source: IpAddr,
+}
+
+impl SourceRoute {
+    /// Its `SIDESTEP_SRCR` key: (prefix bits, key data).
+    pub(super) fn key(&self, netns_cookie: u64) -> Option<(u32, CidrKey)> {
+        let net = IpNet::new(self.destination, self.prefix_len).ok()?;
+        Some(cidr_entry(netns_cookie, cidr_list::SOURCE, &net.trunc()))
+    }
+}
+
 /// The keys an enrolment wrote from what the netns held (not from the policy), recorded so that
 /// an unenrolment deletes exactly them, and so that one attachment's DEL removes only its own.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -197,7 +222,7 @@ pub struct NetnsKeys {
     pub routes: Vec<Route>,
     /// A multi-homed pod's routes through its other interfaces (`SIDESTEP_SRCR`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub source_routes: Vec<super::source::SourceRoute>,
+    pub source_routes: Vec<SourceRoute>,
     /// The proxy's (uid, gid) as the host sees them, when the netns belongs to a user namespace
     /// of its own (`hostUsers: false`): what the pod entry holds instead of the policy's IDs.
     #[serde(default, skip_serializing_if = "Option::is_none")]

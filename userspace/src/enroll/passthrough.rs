@@ -11,7 +11,10 @@ use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
 };
 
-use crate::{error::NetnsError, netns::Netns, rtnl::Rtnl};
+use crate::{
+    netns::{Netns, NetnsError},
+    rtnl::Rtnl,
+};
 
 /// `lo` is always interface 1 of a network namespace.
 const LOOPBACK_IFINDEX: u32 = 1;

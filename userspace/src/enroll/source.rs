@@ -7,37 +7,14 @@
 use std::net::IpAddr;
 
 use aya::maps::lpm_trie::Key;
-use ipnet::IpNet;
-use serde::{Deserialize, Serialize};
-use sidestep_abi::{CidrKey, PodSource, cidr_list, map_names, pod_source_flags};
+use sidestep_abi::{CidrKey, PodSource, map_names, pod_source_flags};
 
-use super::{
-    facts::NetnsFacts,
-    unenroll::{FirstError, deleted},
-};
+use super::facts::NetnsFacts;
+pub use super::facts::SourceRoute;
 use crate::{
-    error::MapsError,
-    maps::{PolicyMaps, classify},
-    policy::{address_words, cidr_entry, pod_source, words_address},
+    maps::{FirstError, MapsError, PolicyMaps, classify, deleted},
+    policy::{address_words, pod_source, words_address},
 };
-
-/// A route of a multi-homed pod through an interface other than its source address's, with the
-/// address connections it carries leave from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SourceRoute {
-    pub destination: IpAddr,
-    pub prefix_len: u8,
-    pub source: IpAddr,
-}
-
-impl SourceRoute {
-    /// Its `SIDESTEP_SRCR` key: (prefix bits, key data).
-    fn key(&self, netns_cookie: u64) -> Option<(u32, CidrKey)> {
-        let net = IpNet::new(self.destination, self.prefix_len).ok()?;
-        Some(cidr_entry(netns_cookie, cidr_list::SOURCE, &net.trunc()))
-    }
-}
 
 /// The pod's source addresses, by family: the one an earlier enrolment of the netns chose (a
 /// later attachment's ADD names its own interface's IPs), else the policy's (its first pod IP,

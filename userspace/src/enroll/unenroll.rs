@@ -15,13 +15,13 @@
 
 use std::path::Path;
 
-use aya::maps::{MapError, lpm_trie::Key};
+use aya::maps::lpm_trie::Key;
 use sidestep_abi::{CidrKey, InterfaceKey, PortKey, RerouteIfKey, cidr_list, map_names};
 
 use super::{NetnsKeys, reroute_names, route_entry, source};
 use crate::{
-    error::{EnrollError, MapsError},
-    maps::{PolicyMaps, classify},
+    error::EnrollError,
+    maps::{FirstError, MapsError, PolicyMaps, deleted},
     netns::Netns,
     pins::PinLayout,
     podlinks,
@@ -39,37 +39,6 @@ pub struct Recorded<'a> {
     pub inbound_ifindexes: Option<&'a [u32]>,
     /// [`super::Enrolled::netns_keys`]; `None` for a record of a version that wrote none.
     pub netns_keys: Option<&'a super::NetnsKeys>,
-}
-
-/// Deleted, or already gone: `Ok(true)` / `Ok(false)`.
-pub(super) fn deleted(map: &'static str, result: Result<(), MapError>) -> Result<bool, MapsError> {
-    match result {
-        Ok(()) => Ok(true),
-        Err(MapError::KeyNotFound) => Ok(false),
-        // aya reports a missing key on delete as the syscall's ENOENT.
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
-            Ok(false)
-        }
-        Err(e) => Err(classify(map, 0, e)),
-    }
-}
-
-/// Keeps the first error of a sequence of deletions that goes on after one fails.
-#[derive(Default)]
-pub(super) struct FirstError(Option<MapsError>);
-
-impl FirstError {
-    pub(super) fn note<T>(&mut self, r: Result<T, MapsError>) {
-        if let Err(e) = r
-            && self.0.is_none()
-        {
-            self.0 = Some(e);
-        }
-    }
-
-    pub(super) fn into_result(self) -> Result<(), MapsError> {
-        self.0.map_or(Ok(()), Err)
-    }
 }
 
 /// Removes the cookie's addresses except `keep` (a scan of the address map).

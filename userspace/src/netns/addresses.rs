@@ -4,8 +4,7 @@
 
 use std::{net::IpAddr, path::Path};
 
-use super::Netns;
-use crate::error::NetnsError;
+use super::{Netns, NetnsError};
 
 /// A pod's interface and addresses, as a CNI result would give them (for repair).
 #[derive(Debug, Clone, PartialEq, Eq)]

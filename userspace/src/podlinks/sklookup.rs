@@ -17,10 +17,10 @@ pub(super) fn attach(
     layout: &PinLayout,
     netns: &Netns,
     netns_cookie: u64,
-) -> Result<(), crate::error::NetnsError> {
+) -> Result<(), crate::netns::NetnsError> {
     let pin = layout.sk_lookup_pin(netns_cookie);
     let id_pin = crate::identity::pin(layout, netns_cookie);
-    let io = |e: std::io::Error| crate::error::NetnsError::Enter {
+    let io = |e: std::io::Error| crate::netns::NetnsError::Enter {
         path: netns.path().to_path_buf(),
         source: e,
     };

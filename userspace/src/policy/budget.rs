@@ -7,11 +7,8 @@ use std::fmt::Write as _;
 
 use sidestep_abi::{cidr_list, map_names, port_list};
 
-use super::Policy;
-use crate::{
-    error::PolicyError,
-    limits::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES},
-};
+use super::{Policy, PolicyError};
+use crate::limits::{MAX_POD_CIDR_RULES, MAX_POD_PORT_RULES};
 
 /// A list of a pod's policy as it lands in a node-wide map, named by the policy field that
 /// fills it.
