@@ -6,6 +6,7 @@ mod cmd;
 mod e2e;
 mod fuzz;
 mod linker;
+mod modgraph;
 mod packages;
 mod paths;
 mod setup;
