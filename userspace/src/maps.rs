@@ -347,6 +347,13 @@ impl FirstError {
     }
 }
 
+/// The cookies in the pod map (empty when not loaded).
+pub fn enrolled_cookies(pin_root: &Path) -> std::collections::BTreeSet<u64> {
+    PolicyMaps::open(pin_root)
+        .map(|m| m.pods().into_iter().map(|(c, _)| c).collect())
+        .unwrap_or_default()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
     #[error(

@@ -555,4 +555,12 @@ mod pin;
             panic!("{}", problems.join("\n"));
         }
     }
+
+    #[test]
+    fn daemon_has_no_import_cycles() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../userspace/daemon/src");
+        if let Err(problems) = check(&src) {
+            panic!("{}", problems.join("\n"));
+        }
+    }
 }

@@ -28,7 +28,7 @@ use std::{
 
 mod leave;
 
-use super::{Agent, pods, repair};
+use super::{Agent, podapi, pods, repair};
 use sidestep::netns::Netns;
 
 use crate::zds::{Workload, ZdsError, ZdsServer};
@@ -61,7 +61,7 @@ pub struct Ambient {
     /// Pods the watches say left the mesh, not taken out yet: when to ask the API again.
     rechecks: Mutex<BTreeMap<String, Instant>>,
     /// Pods taken out whose redirection annotation is still to remove.
-    unannotated: Mutex<BTreeMap<String, repair::NodePod>>,
+    unannotated: Mutex<BTreeMap<String, podapi::NodePod>>,
 }
 
 impl std::fmt::Debug for Ambient {
@@ -225,7 +225,7 @@ impl Ambient {
             if annotated != Some(state)
                 && let Some(api) = &api
             {
-                let pod = repair::NodePod {
+                let pod = podapi::NodePod {
                     namespace: w.namespace.clone(),
                     name: w.name.clone(),
                     uid: uid.clone(),

@@ -34,7 +34,7 @@ use prometheus_client::{
 };
 use sidestep_abi::Counters as PodCounters;
 
-use super::{pods, reconcile::Report};
+use super::{pods, report::Report};
 use sidestep::{
     maps::PolicyMaps,
     pins::PinLayout,

@@ -22,11 +22,13 @@ pub mod conflist;
 pub mod http;
 pub mod install;
 pub mod metrics;
+pub mod plugin;
 pub mod podapi;
 pub mod pods;
 pub mod podwatch;
 pub mod reconcile;
 pub mod repair;
+pub mod report;
 pub mod settings;
 pub mod template;
 pub mod timings;
@@ -49,7 +51,7 @@ use self::{
     conflist::{ConfError, Ensured},
     install::ServiceAccount,
     metrics::AgentCounters,
-    reconcile::{Network, Report},
+    report::{Network, Report},
     settings::{CniMode, LogFormat},
     template::Values,
 };

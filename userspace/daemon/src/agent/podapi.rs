@@ -12,7 +12,15 @@ use kube::{
 };
 use serde_json::json;
 
-use super::{apiclient::ApiAccess, repair::NodePod};
+use super::apiclient::ApiAccess;
+
+/// A pod on this node, as the API lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePod {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 /// The label repair's `label` mode puts on a pod that should be captured and is not.

@@ -42,44 +42,7 @@ use sidestep::{
     enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, podlinks, policy::InboundHook,
 };
 
-mod plugin;
-pub use plugin::{repair, repair_config, run_plugin, run_plugin_with_args};
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
-    #[error("cannot unenrol netns cookie {cookie}: {source}")]
-    Unenroll {
-        cookie: u64,
-        source: sidestep::error::EnrollError,
-    },
-    #[error("cannot remove the record {path}: {source}")]
-    RemoveRecord {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
-    #[error("repair of {netns}: {reason}")]
-    Repair { netns: String, reason: String },
-}
-
-/// What one reconcile found and did.
-#[derive(Debug, Clone, Default)]
-pub struct Report {
-    /// Why the data path was reloaded in this reconcile, if it was.
-    pub reloaded: Option<String>,
-    pub live: usize,
-    pub enrolled: usize,
-    pub records: usize,
-    pub failopen: usize,
-    pub collected: Vec<Record>,
-    pub unenrolled: Vec<LiveNetns>,
-    pub repaired: Vec<LiveNetns>,
-    /// Netns whose pod the plugin's ADD leaves uncaptured (repair in a cluster), with its reason.
-    pub skipped: Vec<(LiveNetns, String)>,
-    /// Pods repair deleted (`repair-mode: delete`) or labelled (`label`) instead of enrolling.
-    pub deleted: Vec<LiveNetns>,
-    pub labelled: Vec<LiveNetns>,
-    pub errors: Vec<String>,
-}
+pub use super::report::{Network, ReconcileError, Report};
 
 /// Unenrols a cookie whether or not it is still in the maps, and whether or not the programs are
 /// still loaded (its tc links may outlive them).
@@ -182,16 +145,6 @@ impl Recreated {
         }
     }
 }
-
-/// The cookies in the pod map (empty when not loaded).
-pub fn enrolled_cookies(pin_root: &Path) -> BTreeSet<u64> {
-    PolicyMaps::open(pin_root)
-        .map(|m| m.pods().into_iter().map(|(c, _)| c).collect())
-        .unwrap_or_default()
-}
-
-/// The network the plugin runs in: (name, cniVersion) for the repair's config.
-pub type Network = (String, String);
 
 /// A pending record older than this is a dead ADD even if a process with its writer's PID runs
 /// (PIDs are reused; no ADD takes this long between its first map write and its record).
@@ -539,7 +492,7 @@ pub fn reconcile(
         ));
     }
     report.records = records.len().saturating_sub(report.collected.len());
-    let enrolled = enrolled_cookies(&s.pin_root);
+    let enrolled = sidestep::maps::enrolled_cookies(&s.pin_root);
     let recorded: BTreeSet<u64> = records.values().map(|r| r.netns_cookie).collect();
     let mut enrolled = enrolled;
     for cookie in enrolled
@@ -608,6 +561,7 @@ pub fn pod_label(r: &Record) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::plugin::repair_config;
 
     #[test]
     fn repair_config_matches_the_network_version() {

@@ -27,8 +27,10 @@ use serde_json::{Value, json};
 
 use super::{
     apiclient::ApiAccess,
+    plugin,
+    podapi::NodePod,
     pods::{self, LiveNetns},
-    reconcile::{self, Network, ReconcileError},
+    report::{Network, ReconcileError, Report},
     settings::RepairMode,
     settings::Settings,
 };
@@ -46,14 +48,6 @@ pub enum Outcome {
     Labelled,
     /// The plugin's ADD ran and left the pod uncaptured, for this reason.
     Skipped(String),
-}
-
-/// A pod on this node, as the API lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodePod {
-    pub namespace: String,
-    pub name: String,
-    pub uid: String,
 }
 
 /// Pods skipped by an earlier reconcile, by netns cookie (cookies are never reused while the
@@ -196,7 +190,7 @@ pub fn cluster_config(
     netns: &LiveNetns,
     addrs: &pods::PodAddresses,
 ) -> Value {
-    let mut conf = reconcile::repair_config(
+    let mut conf = plugin::repair_config(
         entry,
         network,
         &sidestep::policy::Policy::default(),
@@ -219,7 +213,7 @@ pub fn repair_all(
     s: &Settings,
     entry: &Value,
     network: Option<&Network>,
-    report: &mut reconcile::Report,
+    report: &mut Report,
     watched: Option<Vec<Pod>>,
 ) {
     let live: BTreeSet<u64> = report.unenrolled.iter().map(|l| l.cookie).collect();
@@ -235,7 +229,7 @@ pub fn repair_all(
             continue;
         }
         let done = match &api {
-            None => reconcile::repair(s, entry, network, &l).map(|()| Outcome::Repaired),
+            None => plugin::repair(s, entry, network, &l).map(|()| Outcome::Repaired),
             Some(api) => {
                 let pods = pods.get_or_insert_with(|| node_pods(api, &s.node_name));
                 let access = Access {
@@ -311,15 +305,7 @@ fn repair_in_cluster(
     };
     // The installed plugin's ADD for this netns, as the runtime would run it.
     let add = |conf: &Value| {
-        reconcile::run_plugin_with_args(
-            s,
-            "ADD",
-            &container_id,
-            &l.path,
-            &addrs.ifname,
-            &args,
-            conf,
-        )
+        plugin::run_plugin_with_args(s, "ADD", &container_id, &l.path, &addrs.ifname, &args, conf)
     };
     if s.repair_mode != RepairMode::Repair {
         // Ask the plugin's rules without enrolling: only a pod its ADD would capture is acted on.
@@ -359,7 +345,7 @@ fn repair_in_cluster(
             return Err(fail(e));
         }
     };
-    if reconcile::enrolled_cookies(&s.pin_root).contains(&l.cookie) {
+    if sidestep::maps::enrolled_cookies(&s.pin_root).contains(&l.cookie) {
         tracing::info!(
             pod = %who,
             netns = %l.path.display(),

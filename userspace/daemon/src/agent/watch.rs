@@ -175,7 +175,7 @@ fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::R
             .uid_of(&namespace, &name)
             .or_else(|| super::podapi::uid(&api, &namespace, &name).ok())
             .unwrap_or_default();
-        let pod = super::repair::NodePod {
+        let pod = super::podapi::NodePod {
             namespace,
             name,
             uid,

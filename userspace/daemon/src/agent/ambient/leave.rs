@@ -17,7 +17,7 @@ use std::{
 use k8s_openapi::api::core::v1::Pod;
 
 use super::{Ambient, REDIRECTION_ANNOTATION, Recorded, same_netns};
-use crate::agent::{Agent, apiclient::ApiAccess, pods, reconcile, repair::NodePod};
+use crate::agent::{Agent, apiclient::ApiAccess, podapi::NodePod, pods, reconcile};
 
 /// How soon a pod the watches say left the mesh is checked against the API again, after the API
 /// disagreed (a watch lagging behind) or did not answer.

@@ -10,9 +10,9 @@ use std::{
 
 use serde_json::{Value, json};
 
-use super::{Network, ReconcileError};
 use crate::agent::{
     pods::{self, LiveNetns},
+    report::{Network, ReconcileError},
     settings::Settings,
 };
 
