@@ -21,4 +21,3 @@ pub mod pod;
 pub mod podsource;
 pub mod spec;
 pub mod state;
-pub mod timing;

@@ -110,10 +110,10 @@ pub fn run(get_env: &dyn Fn(&str) -> Option<String>, stdin: &[u8], deps: &dyn De
         Command::Status => status(dp.as_ref()).map(|()| None),
         Command::Version => unreachable!("answered before the config is parsed"),
     };
-    // For the agent's /metrics; never fails the call.
-    crate::timing::record(
+    // For the agent's /metrics; never fails the call. VERSION never gets here.
+    sidestep::statedir::timings::append(
         &cfg.state_dir,
-        env.command,
+        env.command.as_str(),
         result.is_ok(),
         started.elapsed(),
     );

@@ -19,7 +19,7 @@ pub mod podlinks;
 pub mod policy;
 pub mod programs;
 mod rtnl;
-pub mod stateindex;
+pub mod statedir;
 pub mod status;
 pub mod sys;
 pub mod tcattach;

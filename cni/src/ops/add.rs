@@ -25,7 +25,7 @@ use crate::{
     config::Mesh,
     dataplane::netns_error,
     spec::{CniError, code, error::ToCniError, result::empty_result},
-    state::{AttachmentRecord, RECORD_FORMAT, StateDir, now_unix},
+    state::{RECORD_FORMAT, Record, StateDir, now_unix},
 };
 
 fn mesh_name(m: Mesh) -> &'static str {
@@ -131,7 +131,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
             None
         }
     };
-    let mut record = AttachmentRecord {
+    let mut record = Record {
         format: RECORD_FORMAT,
         network: ctx.cfg.name.clone(),
         container_id: cid.into(),
@@ -352,13 +352,7 @@ fn unindex_failed(ctx: &Ctx<'_>, cookie: u64, previous_cookie: Option<u64>, who:
 
 /// Puts back the record an earlier ADD of this attachment wrote, or removes the pending one,
 /// after a failed ADD undid its enrolment.
-fn restore(
-    state: &StateDir,
-    previous: Option<&AttachmentRecord>,
-    cid: &str,
-    ifname: &str,
-    who: &str,
-) {
+fn restore(state: &StateDir, previous: Option<&Record>, cid: &str, ifname: &str, who: &str) {
     let result = match previous {
         Some(p) => state.write_record(p),
         None => state.remove_record(cid, ifname).map(drop),

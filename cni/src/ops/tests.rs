@@ -277,7 +277,7 @@ impl Harness {
                     rd.flatten()
                         .filter(|e| e.path().is_file())
                         // The invocation timing log (crate::timing) is not state.
-                        .filter(|e| e.file_name() != crate::timing::FILE_NAME)
+                        .filter(|e| e.file_name() != sidestep::statedir::timings::FILE_NAME)
                         .map(|e| format!("{prefix}{}", e.file_name().to_string_lossy())),
                 );
             }

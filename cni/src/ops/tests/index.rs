@@ -4,7 +4,7 @@
 use std::{fs, path::PathBuf, time::SystemTime};
 
 use serde_json::{Value, json};
-use sidestep::stateindex::{INCOMPLETE, SHARED};
+use sidestep::statedir::index::{INCOMPLETE, SHARED};
 
 use super::Harness;
 use crate::state::StateDir;

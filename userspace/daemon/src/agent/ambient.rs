@@ -272,14 +272,8 @@ fn same_netns(path: &Path, cookie: u64) -> Result<(), String> {
 /// DEL), and any pending ones.
 fn ambient_records(state_dir: &Path, proc_dir: &Path) -> Vec<Recorded> {
     let mut out: Vec<Recorded> = Vec::new();
-    for (path, record) in pods::records(state_dir) {
-        let Some(v) = std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        else {
-            continue;
-        };
-        if v["policy"]["ambient"].as_bool() != Some(true) {
+    for record in pods::records(state_dir).into_values() {
+        if !record.policy.ambient {
             continue;
         }
         let (Some(namespace), Some(name)) = (record.pod_namespace, record.pod_name) else {
@@ -290,8 +284,8 @@ fn ambient_records(state_dir: &Path, proc_dir: &Path) -> Vec<Recorded> {
             name,
             netns: pods::agent_view(&record.netns, proc_dir),
             netns_cookie: record.netns_cookie,
-            created_unix: v["createdUnix"].as_u64().unwrap_or(0),
-            pending: v["pending"] == true,
+            created_unix: record.created_unix,
+            pending: record.pending,
         };
         // One pod, several attachments (or an old sandbox): one workload, the newest.
         let same = |o: &Recorded| o.namespace == r.namespace && o.name == r.name && !o.pending;

@@ -29,90 +29,25 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use serde::Deserialize;
-
 use sidestep::netns::Netns;
 
-/// The fields of the plugin's `AttachmentRecord` (cni/src/state.rs) that the agent uses.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Record {
-    pub network: String,
-    #[serde(rename = "containerID")]
-    pub container_id: String,
-    pub ifname: String,
-    pub netns: PathBuf,
-    pub netns_cookie: u64,
-    #[serde(default)]
-    pub pod_name: Option<String>,
-    #[serde(default)]
-    pub pod_namespace: Option<String>,
-    #[serde(default)]
-    pub pin_root: Option<PathBuf>,
-    #[serde(default)]
-    pub policy: RecordPolicy,
-    /// Its ADD is under way (or died before finishing).
-    #[serde(default)]
-    pub pending: bool,
-}
-
-/// The part of the recorded policy the agent uses.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RecordPolicy {
-    #[serde(default)]
-    pub exclude_interfaces: Vec<String>,
-}
+/// A record as the agent lists pods: the library's lenient view of the plugin's records.
+pub use sidestep::statedir::RecordSummary as Record;
+use sidestep::statedir::StateDir;
 
 /// The records of the state directory, by file; unreadable ones are skipped with a warning.
 pub fn records(state_dir: &Path) -> BTreeMap<PathBuf, Record> {
-    let Ok(entries) = fs::read_dir(state_dir) else {
-        return BTreeMap::new();
-    };
-    entries
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| is_record_name(p))
-        .filter_map(
-            |p| match fs::read(&p).map(|b| serde_json::from_slice::<Record>(&b)) {
-                Ok(Ok(r)) => Some((p, r)),
-                Ok(Err(e)) => {
-                    tracing::warn!(record = %p.display(), error = %e, "unreadable state record");
-                    None
-                }
-                // Removed by a DEL between listing and reading.
-                Err(_) => None,
-            },
-        )
-        .collect()
-}
-
-fn is_record_name(p: &Path) -> bool {
-    p.is_file()
-        && p.extension().is_some_and(|x| x == "json")
-        && !p
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+    StateDir::new(state_dir).summaries()
 }
 
 /// Names of record files (cheap: no parsing), for counting ADDs and DELs between scans.
 pub fn record_names(state_dir: &Path) -> Vec<String> {
-    let Ok(entries) = fs::read_dir(state_dir) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| is_record_name(p))
-        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .collect()
+    StateDir::new(state_dir).record_names()
 }
 
 /// How many FAIL_OPEN markers (pods let through uncaptured) the plugin left.
 pub fn failopen_markers(state_dir: &Path) -> usize {
-    fs::read_dir(state_dir.join("failopen"))
-        .map(|d| d.flatten().filter(|e| is_record_name(&e.path())).count())
-        .unwrap_or(0)
+    StateDir::new(state_dir).marker_names().len()
 }
 
 /// A live pod network namespace.

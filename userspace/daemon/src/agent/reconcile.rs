@@ -3,7 +3,7 @@
 //! - **GC.** A record whose netns is gone (no live netns has its cookie, and its netns path is
 //!   gone or names another netns) lost its DEL: its enrolment and per-pod links are removed
 //!   (`unenroll_by_cookie`) and then the record, and the record's entry in the plugin's
-//!   netns-cookie index ([`sidestep::stateindex`]). When the agent cannot tell (the path's
+//!   netns-cookie index ([`sidestep::statedir::Index`]). When the agent cannot tell (the path's
 //!   directory is not mounted into it, an open fails otherwise), nothing is collected.
 //! - **Never enrolled.** A live pod netns whose cookie is not in the pod map is reported (log,
 //!   `/metrics`, `/readyz` body): typically a pod that started before the agent was ready. The
@@ -29,8 +29,7 @@
 
 use std::{collections::BTreeSet, path::Path, time::Duration};
 
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{
     pods::{self, LiveNetns, Record},
@@ -39,7 +38,13 @@ use super::{
 use sidestep_abi::map_names;
 
 use sidestep::{
-    enroll, error::MapsError, maps::PolicyMaps, pins::PinLayout, podlinks, policy::InboundHook,
+    enroll,
+    error::MapsError,
+    maps::PolicyMaps,
+    pins::PinLayout,
+    podlinks,
+    policy::InboundHook,
+    statedir::{RECORD_FORMAT, Record as FullRecord, StateDir},
 };
 
 pub use super::report::{Network, ReconcileError, Report};
@@ -150,23 +155,12 @@ impl Recreated {
 /// (PIDs are reused; no ADD takes this long between its first map write and its record).
 pub const PENDING_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// What a record says about its enrolment beyond [`Record`]: enough to undo a half-done ADD and
-/// to enrol the pod again after a reload.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Enrolment {
-    ifname: String,
-    policy: sidestep::policy::Policy,
-    #[serde(default)]
-    pending: bool,
-    #[serde(default)]
-    writer_pid: Option<u32>,
-    #[serde(default)]
-    created_unix: u64,
-}
-
-fn enrolment(path: &Path) -> Option<Enrolment> {
-    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+/// The full record at `path` (its policy and what a half-done ADD left): enough to undo a
+/// half-done ADD and to enrol the pod again after a reload. `None` when it is gone or does not
+/// read (a newer plugin's policy: the agent does not act on what it cannot parse).
+fn enrolment(path: &Path) -> Option<FullRecord> {
+    let dir = path.parent()?;
+    StateDir::new(dir).read_record_at(path).ok().flatten()
 }
 
 fn now_unix() -> u64 {
@@ -193,7 +187,10 @@ fn damaged_records(state_dir: &Path) -> Vec<(std::path::PathBuf, String)> {
             Ok(b) if b.is_empty() => "empty file".into(),
             Ok(b) => match serde_json::from_slice::<Value>(&b) {
                 Err(e) => e.to_string(),
-                Ok(v) if v.get("format").and_then(Value::as_u64) != Some(1) => {
+                Ok(v)
+                    if v.get("format").and_then(Value::as_u64)
+                        != Some(u64::from(RECORD_FORMAT)) =>
+                {
                     format!("unknown record format {}", v["format"])
                 }
                 Ok(v) => match serde_json::from_value::<Record>(v) {
@@ -278,10 +275,10 @@ pub(super) fn forget(s: &Settings, path: &Path, record: &Record) -> Result<(), R
 }
 
 /// Removes a removed record's entry from the plugin's netns-cookie index
-/// ([`sidestep::stateindex`]), with the cookie's markers when `last`. A stale entry only costs a
+/// ([`sidestep::statedir::Index`]), with the cookie's markers when `last`. A stale entry only costs a
 /// lookup (an entry counts with its record), and the plugin's GC sweeps it: a warning.
 fn unindex(s: &Settings, record: &Record, last: bool) {
-    if let Err(e) = sidestep::stateindex::Index::new(&s.state_dir).remove(
+    if let Err(e) = sidestep::statedir::Index::new(&s.state_dir).remove(
         record.netns_cookie,
         &record.container_id,
         &record.ifname,
@@ -340,7 +337,8 @@ fn reenrol(
         reason: format!("enrolling again from {}: {err}", path.display()),
     })?;
     if switch_hook {
-        record_inbound_hook(path, &e, record.netns_cookie, InboundHook::Tc).map_err(|err| ReconcileError::Repair {
+        let state = StateDir::new(path.parent().unwrap_or(&s.state_dir));
+        state.set_inbound_hook(path, &e, InboundHook::Tc).map_err(|err| ReconcileError::Repair {
             netns: netns.display().to_string(),
             reason: format!(
                 "enrolled again with the tc inbound hook, but cannot record it in {} (CHECK will \
@@ -357,35 +355,6 @@ fn reenrol(
         "enrolled again from its record after the reload"
     );
     Ok(true)
-}
-
-/// Rewrites the record's `policy.inboundHook` (temporary file and rename, mode 0600), unless
-/// the record changed since `read` (a DEL removed it, an ADD rewrote it). A DEL racing this can
-/// still lose to the rename; the record then names a dead netns, and the next reconcile
-/// collects it.
-fn record_inbound_hook(
-    path: &Path,
-    read: &Enrolment,
-    cookie: u64,
-    hook: InboundHook,
-) -> std::io::Result<()> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        // A DEL removed it meanwhile.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    let mut v: Value = serde_json::from_slice(&bytes)?;
-    let same = v.get("createdUnix").and_then(Value::as_u64) == Some(read.created_unix)
-        && v.get("netnsCookie").and_then(Value::as_u64) == Some(cookie)
-        && v.get("pending").is_none_or(|p| p == &Value::Bool(false));
-    if !same {
-        return Ok(());
-    }
-    v["policy"]["inboundHook"] = json!(hook.as_str());
-    let mut bytes = serde_json::to_vec_pretty(&v)?;
-    bytes.push(b'\n');
-    super::conflist::write_atomic(path, &bytes, 0o600).map_err(std::io::Error::other)
 }
 
 /// `reenrol`: the data path was (re)created empty since the last reconcile, so every recorded
@@ -525,6 +494,8 @@ pub fn reconcile(
                     pin_root: Some(s.pin_root.clone()),
                     policy: Default::default(),
                     pending: false,
+                    format: None,
+                    created_unix: 0,
                 });
             }
             Err(e) => report.errors.push(e.to_string()),
@@ -560,6 +531,8 @@ pub fn pod_label(r: &Record) -> String {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
     use crate::agent::plugin::repair_config;
 

@@ -1,26 +1,10 @@
 //! The plugin's invocations for `/metrics`: counts and latency histograms by command and outcome,
-//! read from the fixed-size lines `sidestep-cni` appends to `<state_dir>/timings` (its
-//! `timing` module writes them; the two must agree on the format below).
-//!
-//! ```text
-//! ADD    ok                  1234\n   command (6), outcome (5), microseconds (18): 32 bytes
-//! ```
-//!
-//! The agent reads the file from where it stopped, once a second and at each scrape. Past
-//! [`ROTATE_AT`] it renames it to `timings.1` and keeps reading the renamed file for a few more
-//! polls, for plugins that opened it just before the rename. At start it reads `timings.1` and
-//! `timings` whole, so invocations made while the agent was down (or restarting) are counted;
-//! the counters therefore cover the time since the older of the two files began, and go back
-//! down (a counter reset, as Prometheus understands it) only when a restarted agent finds a
-//! rotation happened.
+//! from the timings file ([`sidestep::statedir::timings`], which owns its format, reading and
+//! rotation), polled once a second and at each scrape. The counters cover the time since the
+//! older of the two files began, and go back down (a counter reset, as Prometheus understands it)
+//! only when a restarted agent finds a rotation happened.
 
-use std::{
-    fs::{self, DirBuilder, File},
-    io::Read as _,
-    os::unix::fs::{DirBuilderExt as _, MetadataExt as _},
-    path::{Path, PathBuf},
-    sync::Mutex,
-};
+use std::{path::Path, sync::Mutex};
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -28,15 +12,8 @@ use prometheus_client::{
     registry::Registry,
 };
 
-/// The plugin's file under the state directory, and its rotated predecessor.
-pub const FILE_NAME: &str = "timings";
-pub const ROTATED_NAME: &str = "timings.1";
-/// One line, newline included.
-pub const LINE_LEN: usize = 32;
-/// The agent rotates the file past this size (32768 invocations).
-pub const ROTATE_AT: u64 = 1 << 20;
-/// How many polls a rotated file is still read for.
-const DRAIN_POLLS: u8 = 5;
+use sidestep::statedir::timings::Tail;
+pub use sidestep::statedir::timings::{FILE_NAME, LINE_LEN, ROTATE_AT, ROTATED_NAME, parse_line};
 
 /// Bucket bounds in seconds: an ADD on an idle node takes milliseconds, one that waits for the
 /// API server can take the plugin's whole retry budget.
@@ -55,45 +32,6 @@ fn histogram() -> Histogram {
 }
 
 type Durations = Family<OpLabels, Histogram, fn() -> Histogram>;
-
-struct Reader {
-    file: File,
-    inode: u64,
-    partial: Vec<u8>,
-}
-
-impl Reader {
-    fn open(path: &Path) -> Option<Self> {
-        let file = File::open(path).ok()?;
-        let inode = file.metadata().ok()?.ino();
-        Some(Self {
-            file,
-            inode,
-            partial: Vec::new(),
-        })
-    }
-
-    /// The complete lines written since the last read.
-    fn lines(&mut self) -> Vec<String> {
-        let _ = self.file.read_to_end(&mut self.partial);
-        let Some(end) = self.partial.iter().rposition(|&b| b == b'\n') else {
-            return Vec::new();
-        };
-        let rest = self.partial.split_off(end + 1);
-        let done = std::mem::replace(&mut self.partial, rest);
-        String::from_utf8_lossy(&done)
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-}
-
-#[derive(Default)]
-struct Tail {
-    started: bool,
-    current: Option<Reader>,
-    draining: Vec<(Reader, u8)>,
-}
 
 /// Counts and histograms of the plugin's invocations.
 pub struct CniTimings {
@@ -120,20 +58,6 @@ impl std::fmt::Debug for CniTimings {
     }
 }
 
-/// (command, outcome, seconds) of one line.
-pub fn parse_line(line: &str) -> Option<(&str, &str, f64)> {
-    let mut f = line.split_whitespace();
-    let (command, outcome, micros) = (f.next()?, f.next()?, f.next()?);
-    if f.next().is_some()
-        || !matches!(command, "ADD" | "DEL" | "CHECK" | "GC" | "STATUS")
-        || !matches!(outcome, "ok" | "error")
-    {
-        return None;
-    }
-    let micros: u64 = micros.parse().ok()?;
-    Some((command, outcome, micros as f64 / 1e6))
-}
-
 impl CniTimings {
     fn observe(&self, lines: Vec<String>) {
         for l in lines {
@@ -153,63 +77,15 @@ impl CniTimings {
         }
     }
 
-    /// Reads what the plugin appended since the last poll. Never fails: a missing or unreadable
-    /// file is simply not counted yet.
+    /// Counts what the plugin appended since the last poll. Never fails: a missing or
+    /// unreadable file is simply not counted yet.
     pub fn poll(&self, state_dir: &Path) {
-        let mut t = self.tail.lock().unwrap_or_else(|e| e.into_inner());
-        let path: PathBuf = state_dir.join(FILE_NAME);
-        let rotated = state_dir.join(ROTATED_NAME);
-        if !t.started {
-            t.started = true;
-            // The plugin writes only into an existing state directory (so that nothing comes
-            // back after an uninstall); the agent makes sure it exists from the start.
-            if !state_dir.exists()
-                && let Err(e) = DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(state_dir)
-            {
-                tracing::warn!(dir = %state_dir.display(), error = %e, "cannot create the state directory");
-            }
-            if let Some(mut r) = Reader::open(&rotated) {
-                self.observe(r.lines());
-            }
-        }
-        let mut drained = Vec::new();
-        for (mut r, left) in std::mem::take(&mut t.draining) {
-            drained.extend(r.lines());
-            if left > 1 {
-                t.draining.push((r, left - 1));
-            }
-        }
-        self.observe(drained);
-        // Someone else moved or removed the file (an uninstall, or another agent): start over
-        // on the new one after reading what the old one still holds.
-        let on_disk = fs::metadata(&path).ok().map(|m| m.ino());
-        if let Some(r) = t.current.take_if(|r| on_disk != Some(r.inode)) {
-            t.draining.push((r, DRAIN_POLLS));
-        }
-        if t.current.is_none() {
-            t.current = Reader::open(&path);
-        }
-        let Some(r) = t.current.as_mut() else {
-            return;
-        };
-        let lines = r.lines();
-        let size = r.file.metadata().map(|m| m.len()).unwrap_or(0);
+        let lines = self
+            .tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .poll(state_dir);
         self.observe(lines);
-        if size >= ROTATE_AT {
-            match fs::rename(&path, &rotated) {
-                Ok(()) => {
-                    if let Some(r) = t.current.take() {
-                        t.draining.push((r, DRAIN_POLLS));
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "cannot rotate the plugin's timings")
-                }
-            }
-        }
     }
 
     pub fn register(&self, reg: &mut Registry) {
@@ -233,7 +109,7 @@ impl CniTimings {
 
 #[cfg(test)]
 mod tests {
-    use std::io::Write as _;
+    use std::{fs, io::Write as _};
 
     use super::*;
 

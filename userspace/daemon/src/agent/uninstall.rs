@@ -4,14 +4,18 @@
 //! plugin's records. A pod deleted afterwards still gets a clean DEL: the runtime no longer calls
 //! the plugin, and a plugin still called (from a cached config) finds nothing and succeeds.
 
-use std::{fs, io, path::PathBuf};
+use std::path::PathBuf;
 
 use super::{
     conflist::{self, ConfError},
     install::{self, InstallError},
     settings::{CniMode, DEFAULT_STANDALONE_NAME, Settings},
 };
-use sidestep::{error::LoadError, loader};
+use sidestep::{
+    error::LoadError,
+    loader,
+    statedir::{StateDir, StateError},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum UninstallError {
@@ -21,8 +25,8 @@ pub enum UninstallError {
     Install(#[from] InstallError),
     #[error("removing the programs: {0}")]
     Unload(#[from] LoadError),
-    #[error("removing the plugin's records under {path}: {source}")]
-    State { path: PathBuf, source: io::Error },
+    #[error("removing the plugin's records: {0}")]
+    State(#[from] StateError),
 }
 
 /// What was removed, for the operator.
@@ -67,47 +71,6 @@ impl std::fmt::Display for Removed {
     }
 }
 
-/// Removes the JSON records, FAIL_OPEN markers and netns-cookie index of the state directory,
-/// then the directories if nothing else is in them.
-fn remove_records(dir: &std::path::Path) -> Result<usize, UninstallError> {
-    // The netns-cookie index describes the records, which all go.
-    let index = sidestep::stateindex::Index::new(dir);
-    index.remove_all().map_err(|source| UninstallError::State {
-        path: index.dir().to_path_buf(),
-        source,
-    })?;
-    let mut n = 0;
-    for d in [dir.join("failopen"), dir.to_path_buf()] {
-        let Ok(entries) = fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            let name = e.file_name().to_string_lossy().into_owned();
-            // Records, markers, and the temporary files of an interrupted write.
-            let record = name.ends_with(".json") || name.contains(".json.tmp.");
-            // The plugin's timing lines (not counted as records).
-            let timings = name == super::timings::FILE_NAME || name == super::timings::ROTATED_NAME;
-            if p.is_file() && timings {
-                fs::remove_file(&p).map_err(|source| UninstallError::State {
-                    path: p.clone(),
-                    source,
-                })?;
-            }
-            if p.is_file() && record {
-                fs::remove_file(&p).map_err(|source| UninstallError::State {
-                    path: p.clone(),
-                    source,
-                })?;
-                n += 1;
-            }
-        }
-        // Only empty directories go; anything else is not ours to delete.
-        let _ = fs::remove_dir(&d);
-    }
-    Ok(n)
-}
-
 pub fn uninstall(s: &Settings) -> Result<Removed, UninstallError> {
     let standalone = (s.cni_mode == CniMode::Standalone).then(|| {
         s.cni_conf_name
@@ -130,6 +93,8 @@ pub fn uninstall(s: &Settings) -> Result<Removed, UninstallError> {
         loader::unload(&s.pin_root)?;
         removed.pin_root = Some(s.pin_root.clone());
     }
-    removed.records = remove_records(&s.state_dir)?;
+    // The records, markers, temporary files, timings and index, then the directory if
+    // nothing else is in it.
+    removed.records = StateDir::new(&s.state_dir).remove_all()?;
     Ok(removed)
 }

@@ -148,6 +148,37 @@ async fn records_loop(agent: Arc<Agent>) {
     }
 }
 
+/// What one of the plugin's ADDs left: a record (enrolled) or a fail-open marker (uncaptured).
+struct AddOutcome {
+    pod_namespace: Option<String>,
+    pod_name: Option<String>,
+    container_id: String,
+    /// The interface captured, or why the pod was let through.
+    detail: String,
+}
+
+impl AddOutcome {
+    fn read(path: &std::path::Path, reason: super::podapi::Reason) -> Option<Self> {
+        let bytes = std::fs::read(path).ok()?;
+        if reason == super::podapi::Reason::Uncaptured {
+            let m: sidestep::statedir::FailOpenMarker = serde_json::from_slice(&bytes).ok()?;
+            return Some(Self {
+                pod_namespace: m.pod_namespace,
+                pod_name: m.pod_name,
+                container_id: m.container_id,
+                detail: m.reason,
+            });
+        }
+        let r: sidestep::statedir::RecordSummary = serde_json::from_slice(&bytes).ok()?;
+        Some(Self {
+            pod_namespace: r.pod_namespace,
+            pod_name: r.pod_name,
+            container_id: r.container_id,
+            detail: r.ifname,
+        })
+    }
+}
+
 /// Events for what the plugin's ADDs did, named by the pod the plugin recorded.
 fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::Reason)]) {
     let s = &agent.settings;
@@ -155,16 +186,16 @@ fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::R
         return;
     };
     for (path, reason) in files {
-        let Some(v) = std::fs::read(path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        else {
+        let Some(written) = AddOutcome::read(path, *reason) else {
             continue;
         };
-        let field = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
-        let (namespace, name) = (field("podNamespace"), field("podName"));
-        // Repair records its own event; a record without a pod name is not a Kubernetes pod.
-        if name.is_empty() || field("containerID").starts_with("sidestep-repair-") {
+        let name = written.pod_name.filter(|n| !n.is_empty());
+        let (Some(namespace), Some(name)) = (written.pod_namespace, name) else {
+            // Not a Kubernetes pod.
+            continue;
+        };
+        // Repair records its own event.
+        if written.container_id.starts_with("sidestep-repair-") {
             continue;
         }
         // The watch usually has the pod (kubelet makes the sandbox of a pod the API holds);
@@ -183,9 +214,9 @@ fn post_add_events(agent: &Agent, files: &[(std::path::PathBuf, super::podapi::R
         let message = match reason {
             super::podapi::Reason::Uncaptured => format!(
                 "started WITHOUT traffic capture (fail_strategy FAIL_OPEN): {}",
-                field("reason")
+                written.detail
             ),
-            _ => format!("traffic captured on {} (CNI ADD)", field("ifname")),
+            _ => format!("traffic captured on {} (CNI ADD)", written.detail),
         };
         if let Err(e) = super::podapi::event(&api, &s.node_name, &pod, *reason, &message) {
             tracing::debug!(error = %e, "could not record an event");
