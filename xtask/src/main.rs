@@ -1,6 +1,7 @@
 //! `cargo xtask`: the one entry point for setting up, building, testing and
 //! demonstrating sidestep, so CI and a fresh machine take the same path.
 
+mod archdoc;
 mod build;
 mod cmd;
 mod e2e;

@@ -96,6 +96,17 @@ pub fn child_modules(src_root: &Path, module: &str) -> Result<Vec<String>> {
     Ok(children.map(|m| m.path[n].clone()).collect())
 }
 
+/// The modules that one root file (a binary's `main.rs`) declares with `mod name;`, sorted; test
+/// modules are not counted. For crates without a `lib.rs`, which the walk above starts from.
+pub fn declared_modules(file: &Path) -> Result<Vec<String>> {
+    let text = fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let parsed = parse(&tokens(&strip(&text)));
+    let names = parsed.children.into_iter().map(|(name, _)| name);
+    let mut names: Vec<String> = names.filter(|name| name != "tests").collect();
+    names.sort();
+    Ok(names)
+}
+
 /// One shortest cycle through each node that is on one, each listed once, from its smallest
 /// node back to it. Not every cycle of a knot: fixing these shows the next ones.
 fn cycles(graph: &BTreeMap<(String, String), String>) -> BTreeSet<Vec<String>> {
@@ -386,15 +397,16 @@ fn path_tree(t: &[Token], mut i: usize, prefix: &[String], out: &mut Leaves) -> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A source tree under the system's temp dir, removed when dropped (xtask has no tempfile).
-    /// `files` is one string so that rustfmt keeps it short: `== path` starts each file.
-    struct Scratch(PathBuf);
+    /// `files` is one string so that rustfmt keeps it short: `== path` starts each file. The
+    /// archdoc tests build their trees with it too.
+    pub(crate) struct Scratch(pub(crate) PathBuf);
 
     impl Scratch {
-        fn new(name: &str, files: &str) -> Self {
+        pub(crate) fn new(name: &str, files: &str) -> Self {
             let dir = std::env::temp_dir().join(format!("modgraph-{name}-{}", std::process::id()));
             let _ = fs::remove_dir_all(&dir);
             for file in files.split("== ").skip(1) {
@@ -546,6 +558,21 @@ mod pin;
         assert_eq!(child_modules(&s.0, "net").unwrap(), ["addr", "link"]);
         assert_eq!(child_modules(&s.0, "net::link").unwrap(), ["pin"]);
         assert!(child_modules(&s.0, "nope").is_err());
+    }
+
+    #[test]
+    fn lists_declared_modules() {
+        let s = Scratch::new(
+            "declared",
+            "
+== main.rs
+mod b; pub(crate) mod a; #[cfg(test)] mod tests; #[cfg(test)] mod fixtures;
+// mod commented;
+mod inline { }
+",
+        );
+        assert_eq!(declared_modules(&s.0.join("main.rs")).unwrap(), ["a", "b"]);
+        assert!(declared_modules(&s.0.join("nope.rs")).is_err());
     }
 
     #[test]
