@@ -30,6 +30,8 @@ fn bench() -> Result<()> {
         Ok("ambient") => return only_section(&cfg, &md, sections::AMBIENT),
         _ => {}
     }
+    // Before the run rather than when it writes the page: a hand-written block it cannot keep.
+    sections::check_notes(&fs::read_to_string(&md).unwrap_or_default())?;
     let repeat = repeats::count_from_env()?;
     eprintln!(
         "bench: {} run, {} rounds of {} s per run, {repeat} repeat(s)",
@@ -50,13 +52,16 @@ fn bench() -> Result<()> {
     let Some(report) = reports.last() else {
         bail!("every one of the {repeat} repeats failed");
     };
-    // The ambient section needs a ztunnel this run may not have: the last one is kept.
+    // The ambient section (it needs a ztunnel this run may not have) and the hand-written block
+    // are kept from the page this one replaces.
     let old = fs::read_to_string(&md).unwrap_or_default();
-    let mut page = match sections::section(&old, sections::AMBIENT) {
-        Some(body) => sections::splice(&report.markdown(), sections::AMBIENT, &body),
-        None => report.markdown(),
-    };
-    page = repeats::with_section(&page, &repeats::section_for_page(&reports, &old));
+    let page = sections::carry_over(
+        &repeats::with_section(
+            &report.markdown(),
+            &repeats::section_for_page(&reports, &old),
+        ),
+        &old,
+    );
     fs::write(&md, page).with_context(|| format!("write {}", md.display()))?;
     let svg = docs.join(SVG_NAME);
     fs::write(&svg, report.svg()).with_context(|| format!("write {}", svg.display()))?;
@@ -113,7 +118,7 @@ fn bench() -> Result<()> {
 }
 
 /// One mode alone (`cargo xtask bench cni|scale`): its section of BENCHMARKS.md is replaced and
-/// the rest of the page, from the last full run, is kept.
+/// the rest of the page, from the last full run, is kept, the hand-written block with it.
 fn only_section(cfg: &Config, md: &Path, id: &str) -> Result<()> {
     let t = std::time::Instant::now();
     let date = bench::sysinfo::SysInfo::collect(cfg.quick).date;

@@ -1,6 +1,10 @@
 //! The CNI and scale sections of docs/BENCHMARKS.md. Each sits between markers, so that
 //! `cargo xtask bench cni` or `bench scale` alone replaces its own section of the page and
 //! leaves the rest (from the last full run) as it was; the full run writes both.
+//!
+//! Also the page's hand-written block, between [`NOTES_BEGIN`] and [`NOTES_END`]: no run writes
+//! it, and every run keeps it byte for byte ([`carry_over`] for the full run; `splice` leaves it
+//! alone for the others).
 
 use std::fmt::Write as _;
 
@@ -29,6 +33,64 @@ fn begin(id: &str) -> String {
 
 fn end(id: &str) -> String {
     format!("<!-- bench:{id}:end -->")
+}
+
+/// The start of the hand-written block; the rest of its line is free text.
+pub const NOTES_BEGIN: &str = "<!-- notes:begin";
+/// The end of the hand-written block.
+pub const NOTES_END: &str = "<!-- notes:end -->";
+/// The heading a full run puts the kept block before.
+const NOTES_BEFORE: &str = "\n## Raw rounds\n";
+
+/// The hand-written block of `page`, from its begin marker to the end of its end marker, byte
+/// for byte; None when the page has none (or only half of one: see [`check_notes`]).
+pub fn notes_block(page: &str) -> Option<&str> {
+    notes_range(page).map(|r| &page[r])
+}
+
+fn notes_range(page: &str) -> Option<std::ops::Range<usize>> {
+    let i = page.find(NOTES_BEGIN)?;
+    let j = page[i..].find(NOTES_END)? + i + NOTES_END.len();
+    Some(i..j)
+}
+
+/// An error when `page` opens a hand-written block and never closes it: a full run would not
+/// keep it, so it says so before it starts rather than drop the text when it writes the page.
+pub fn check_notes(page: &str) -> anyhow::Result<()> {
+    if page.contains(NOTES_BEGIN) && notes_block(page).is_none() {
+        anyhow::bail!(
+            "the page has `{NOTES_BEGIN}` without a `{NOTES_END}` after it, so a full run would \
+             drop the hand-written block: close it first"
+        );
+    }
+    Ok(())
+}
+
+/// `page` with `block` (a whole hand-written block, markers included) in place of its own, or,
+/// when it has none, before its Raw rounds section (at the end when it has no such section).
+pub fn with_notes(page: &str, block: &str) -> String {
+    if let Some(own) = notes_range(page) {
+        return format!("{}{block}{}", &page[..own.start], &page[own.end..]);
+    }
+    match page.find(NOTES_BEFORE) {
+        // After the blank line that ends the Notes, with one of its own before the heading.
+        Some(i) => format!("{}{block}\n{}", &page[..i + 1], &page[i..]),
+        None => format!("{}\n\n{block}\n", page.trim_end()),
+    }
+}
+
+/// The page a full run writes: `generated` (the report's Markdown, with its Repeats section)
+/// with what it keeps of `old`, the page it replaces: the ambient section, which needs a ztunnel
+/// this run may not have, and the hand-written block. Neither is an error to lack.
+pub fn carry_over(generated: &str, old: &str) -> String {
+    let mut page = match section(old, AMBIENT) {
+        Some(body) => splice(generated, AMBIENT, &body),
+        None => generated.to_owned(),
+    };
+    if let Some(block) = notes_block(old) {
+        page = with_notes(&page, block);
+    }
+    page
 }
 
 /// `page` with the section `id` replaced by `body` (appended when the page has none).

@@ -242,3 +242,75 @@ fn the_floor_section_states_whether_the_target_is_above_the_no_ops() {
     );
     assert!(super::costs::floor_section(None, 5).contains("Not measured"));
 }
+
+/// A hand-written block of the kind docs/BENCHMARKS.md carries, with bytes a careless rewrite
+/// would change: trailing spaces, a run of blank lines, a tab, a CR, non-ASCII.
+const HAND_WRITTEN: &str = "<!-- notes:begin (hand-written; every bench run keeps it as it is) -->\n\
+## What the runs say\n\nThe headline, in words.  \n\n\n| by | hand |\n|---|---:|\n| x |\t1.23× |\r\n\n\
+## The netfilter lanes' new-connection tail\n\n- `__inet_hash_connect` took 10.0%.\n\
+<!-- notes:end -->";
+
+/// The hand-written block is no run's to write: a full run puts it back byte for byte where it
+/// was, between Notes and Raw rounds, the next run does the same with that page, and `bench cni`
+/// or `bench scale` leave it alone.
+#[test]
+fn a_full_run_keeps_the_hand_written_block_byte_for_byte() {
+    use crate::bench::sections::{self, NOTES_BEGIN};
+    let generated = sample().markdown();
+    assert!(
+        !generated.contains(NOTES_BEGIN),
+        "the run writes no block of its own"
+    );
+    // The page the run replaces: the last run's, with the block between its Notes and Raw
+    // rounds, and an ambient section at the end.
+    let at = generated.find("## Raw rounds\n").unwrap();
+    let old = format!("{}{HAND_WRITTEN}\n\n{}", &generated[..at], &generated[at..]);
+    let old = sections::splice(&old, sections::AMBIENT, "## Ambient\nkept");
+    let page = sections::carry_over(&generated, &old);
+    assert_eq!(sections::notes_block(&page), Some(HAND_WRITTEN), "{page}");
+    assert_eq!(page.matches(NOTES_BEGIN).count(), 1);
+    let kept = page.find(HAND_WRITTEN).unwrap();
+    assert!(page.find("## Notes\n").unwrap() < kept);
+    assert!(kept + HAND_WRITTEN.len() < page.find("## Raw rounds\n").unwrap());
+    // The same run over the same page gives that page back, blank lines and all.
+    assert_eq!(page, old);
+    // The next run keeps it again.
+    assert_eq!(sections::carry_over(&generated, &page), page);
+    // One mode alone replaces its own section and nothing else.
+    for id in [sections::CNI, sections::SCALE, sections::AMBIENT] {
+        let one = sections::splice(&page, id, "## One mode\nnew");
+        assert_eq!(sections::notes_block(&one), Some(HAND_WRITTEN), "{id}");
+    }
+    assert!(sections::check_notes(&page).is_ok());
+}
+
+/// Without a block in the page it replaces, a full run writes none, and that is no error. Half a
+/// block (a begin marker without its end) keeps nothing, so the full run refuses to start on it.
+#[test]
+fn a_page_without_the_hand_written_block_regenerates_without_it() {
+    use crate::bench::sections::{self, NOTES_BEGIN, NOTES_END};
+    let generated = sample().markdown();
+    let no_block = format!(
+        "{}\n",
+        generated.replace("## Raw rounds", "## Old raw rounds")
+    );
+    for old in [
+        "",
+        "# sidestep benchmarks\n\nNo block.\n",
+        &generated,
+        &no_block,
+    ] {
+        assert_eq!(sections::carry_over(&generated, old), generated);
+        assert!(sections::check_notes(old).is_ok());
+    }
+    let half = format!("{generated}\n{NOTES_BEGIN} -->\nunclosed\n");
+    assert_eq!(sections::carry_over(&generated, &half), generated);
+    assert!(sections::check_notes(&half).is_err());
+    let backwards = format!("{NOTES_END}\n{generated}\n{NOTES_BEGIN} -->\n");
+    assert!(sections::check_notes(&backwards).is_err());
+    // A page without a Raw rounds section gets the block at its end.
+    assert_eq!(
+        sections::with_notes("# B\n\ntext\n", HAND_WRITTEN),
+        format!("# B\n\ntext\n\n{HAND_WRITTEN}\n")
+    );
+}
