@@ -4,7 +4,52 @@
 //! globals (`sidestep_abi::globals`). aya-obj parses BTF but keeps member offsets crate-private,
 //! so this walks the type section itself: only what finding a struct's members needs.
 
-use std::path::Path;
+use std::{
+    borrow::Cow,
+    path::{Path, PathBuf},
+};
+
+/// Why the offsets sk_msg needs could not be had. `Clone`: the answer is computed once per
+/// process and handed to every enrolment that asks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BtfError {
+    #[error(
+        "the kernel refuses bpf_probe_read_kernel to sk_msg programs (lockdown in \
+         confidentiality mode, or an LSM)"
+    )]
+    ProbeReadRefused,
+    #[error("{path}: {reason}")]
+    Unreadable { path: PathBuf, reason: String },
+    /// Not BTF this reader understands.
+    #[error("{path}: {reason}")]
+    Malformed { path: PathBuf, reason: String },
+    /// BTF, but the kernel's structs are not laid out as sk_msg needs.
+    #[error("{path}: {reason}")]
+    Layout { path: PathBuf, reason: String },
+}
+
+/// What went wrong inside a BTF blob, before the file it came from is known.
+#[derive(Debug)]
+enum Fault {
+    Malformed(Cow<'static, str>),
+    Layout(Cow<'static, str>),
+}
+
+impl Fault {
+    fn in_file(self, path: &Path) -> BtfError {
+        let path = path.to_path_buf();
+        match self {
+            Fault::Malformed(r) => BtfError::Malformed {
+                path,
+                reason: r.into_owned(),
+            },
+            Fault::Layout(r) => BtfError::Layout {
+                path,
+                reason: r.into_owned(),
+            },
+        }
+    }
+}
 
 /// Byte offsets in `struct sock` (and so in `struct tcp_sock`, which begins with it), and in
 /// `struct sk_msg`.
@@ -55,15 +100,19 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 }
 
 impl<'a> Btf<'a> {
-    fn parse(data: &'a [u8]) -> Result<Self, String> {
+    fn parse(data: &'a [u8]) -> Result<Self, Fault> {
         let magic = data
             .get(0..2)
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .ok_or("BTF too short")?;
+            .ok_or(Fault::Malformed(Cow::Borrowed("BTF too short")))?;
         if magic != BTF_MAGIC {
-            return Err(format!("not little-endian BTF (magic {magic:#x})"));
+            return Err(Fault::Malformed(Cow::Owned(format!(
+                "not little-endian BTF (magic {magic:#x})"
+            ))));
         }
-        let field = |i: usize| u32_at(data, 4 + 4 * i).ok_or("BTF header too short");
+        let field = |i: usize| {
+            u32_at(data, 4 + 4 * i).ok_or(Fault::Malformed(Cow::Borrowed("BTF header too short")))
+        };
         let (hdr_len, type_off, type_len, str_off, str_len) = (
             field(0)? as usize,
             field(1)? as usize,
@@ -73,16 +122,19 @@ impl<'a> Btf<'a> {
         );
         let section = |off: usize, len: usize| {
             data.get(hdr_len + off..hdr_len + off + len)
-                .ok_or("BTF section out of bounds")
+                .ok_or(Fault::Malformed(Cow::Borrowed("BTF section out of bounds")))
         };
         let types = section(type_off, type_len)?;
         let strings = section(str_off, str_len)?;
         let mut all = Vec::new();
         let mut at = 0;
         while at < types.len() {
-            let name_off = u32_at(types, at).ok_or("truncated BTF type")?;
-            let info = u32_at(types, at + 4).ok_or("truncated BTF type")?;
-            let size_type = u32_at(types, at + 8).ok_or("truncated BTF type")?;
+            let name_off =
+                u32_at(types, at).ok_or(Fault::Malformed(Cow::Borrowed("truncated BTF type")))?;
+            let info = u32_at(types, at + 4)
+                .ok_or(Fault::Malformed(Cow::Borrowed("truncated BTF type")))?;
+            let size_type = u32_at(types, at + 8)
+                .ok_or(Fault::Malformed(Cow::Borrowed("truncated BTF type")))?;
             let kind = (info >> 24) & 0x1f;
             let vlen = (info & 0xffff) as usize;
             let extra = at + 12;
@@ -97,7 +149,11 @@ impl<'a> Btf<'a> {
                 6 | 13 => 8 * vlen,
                 // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG
                 2 | 7..=12 | 16 | 18 => 0,
-                k => return Err(format!("unknown BTF kind {k}")),
+                k => {
+                    return Err(Fault::Malformed(Cow::Owned(format!(
+                        "unknown BTF kind {k}"
+                    ))));
+                }
             };
             all.push(Type {
                 name_off,
@@ -180,39 +236,57 @@ impl<'a> Btf<'a> {
             .copied()
     }
 
-    fn sock_offsets(&self) -> Result<SockOffsets, String> {
+    fn sock_offsets(&self) -> Result<SockOffsets, Fault> {
         let sock = self
             .struct_with(b"sock", "__sk_common")
-            .ok_or("no struct sock")?;
-        let (backlog_ty, backlog) = self
-            .member(sock, "sk_backlog")
-            .ok_or("struct sock has no sk_backlog")?;
-        let backlog_t = self.resolve(backlog_ty).ok_or("bad sk_backlog type")?;
+            .ok_or(Fault::Layout(Cow::Borrowed("no struct sock")))?;
+        let (backlog_ty, backlog) =
+            self.member(sock, "sk_backlog")
+                .ok_or(Fault::Layout(Cow::Borrowed(
+                    "struct sock has no sk_backlog",
+                )))?;
+        let backlog_t = self
+            .resolve(backlog_ty)
+            .ok_or(Fault::Layout(Cow::Borrowed("bad sk_backlog type")))?;
         let (rmem_ty, rmem) = self
             .member(backlog_t, "rmem_alloc")
-            .ok_or("sk_backlog has no rmem_alloc")?;
-        let atomic = self.resolve(rmem_ty).ok_or("bad rmem_alloc type")?;
-        let (counter_ty, counter) = self
-            .member(atomic, "counter")
-            .ok_or("rmem_alloc is not an atomic_t")?;
+            .ok_or(Fault::Layout(Cow::Borrowed("sk_backlog has no rmem_alloc")))?;
+        let atomic = self
+            .resolve(rmem_ty)
+            .ok_or(Fault::Layout(Cow::Borrowed("bad rmem_alloc type")))?;
+        let (counter_ty, counter) =
+            self.member(atomic, "counter")
+                .ok_or(Fault::Layout(Cow::Borrowed(
+                    "rmem_alloc is not an atomic_t",
+                )))?;
         if !self.is_int4(counter_ty) {
-            return Err("sk_rmem_alloc is not a 4-byte int".into());
+            return Err(Fault::Layout(Cow::Borrowed(
+                "sk_rmem_alloc is not a 4-byte int",
+            )));
         }
         let (rcvbuf_ty, rcvbuf) = self
             .member(sock, "sk_rcvbuf")
-            .ok_or("struct sock has no sk_rcvbuf")?;
+            .ok_or(Fault::Layout(Cow::Borrowed("struct sock has no sk_rcvbuf")))?;
         if !self.is_int4(rcvbuf_ty) {
-            return Err("sk_rcvbuf is not a 4-byte int".into());
+            return Err(Fault::Layout(Cow::Borrowed(
+                "sk_rcvbuf is not a 4-byte int",
+            )));
         }
         let msg = self
             .struct_with(b"sk_msg", "sk_redir")
-            .ok_or("no struct sk_msg")?;
-        let (redir_ty, msg_sk_redir) = self.member(msg, "sk_redir").ok_or("no sk_redir")?;
+            .ok_or(Fault::Layout(Cow::Borrowed("no struct sk_msg")))?;
+        let (redir_ty, msg_sk_redir) = self
+            .member(msg, "sk_redir")
+            .ok_or(Fault::Layout(Cow::Borrowed("no sk_redir")))?;
         if self.resolve(redir_ty).is_none_or(|t| t.kind != KIND_PTR) {
-            return Err("sk_msg.sk_redir is not a pointer".into());
+            return Err(Fault::Layout(Cow::Borrowed(
+                "sk_msg.sk_redir is not a pointer",
+            )));
         }
         if msg_sk_redir == 0 || msg_sk_redir + 8 > msg.size_type {
-            return Err(format!("implausible sk_msg.sk_redir offset {msg_sk_redir}"));
+            return Err(Fault::Layout(Cow::Owned(format!(
+                "implausible sk_msg.sk_redir offset {msg_sk_redir}"
+            ))));
         }
         let offsets = SockOffsets {
             msg_sk_redir,
@@ -225,35 +299,34 @@ impl<'a> Btf<'a> {
             || offsets.rmem_alloc + 4 > size
             || offsets.rcvbuf + 4 > size
         {
-            return Err(format!(
+            return Err(Fault::Layout(Cow::Owned(format!(
                 "implausible offsets {offsets:?} in a {size}-byte sock"
-            ));
+            ))));
         }
         Ok(offsets)
     }
 }
 
 /// The offsets in the BTF at `path`.
-pub fn sock_offsets_from(path: &Path) -> Result<SockOffsets, String> {
-    let data = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+pub fn sock_offsets_from(path: &Path) -> Result<SockOffsets, BtfError> {
+    let data = std::fs::read(path).map_err(|e| BtfError::Unreadable {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
     Btf::parse(&data)
         .and_then(|btf| btf.sock_offsets())
-        .map_err(|e| format!("{}: {e}", path.display()))
+        .map_err(|fault| fault.in_file(path))
 }
 
 /// The running kernel's offsets, when sk_msg may read at them; read once per process.
-pub fn sock_offsets() -> Result<SockOffsets, String> {
-    static CACHE: std::sync::OnceLock<Result<SockOffsets, String>> = std::sync::OnceLock::new();
+pub fn sock_offsets() -> Result<SockOffsets, BtfError> {
+    static CACHE: std::sync::OnceLock<Result<SockOffsets, BtfError>> = std::sync::OnceLock::new();
     CACHE
         .get_or_init(|| {
             // A program calling a helper the kernel refuses would not load at all; with the
             // offsets 0 the verifier never walks the call (the branch on them is dead).
             if !crate::features::sk_msg_reads_kernel() {
-                return Err(
-                    "the kernel refuses bpf_probe_read_kernel to sk_msg programs \
-                     (lockdown in confidentiality mode, or an LSM)"
-                        .into(),
-                );
+                return Err(BtfError::ProbeReadRefused);
             }
             sock_offsets_from(Path::new(VMLINUX))
         })

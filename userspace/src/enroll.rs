@@ -87,7 +87,7 @@ pub fn enroll_netns(
 ) -> Result<Enrolled, EnrollError> {
     policy.validate()?;
     if policy.sk_msg {
-        crate::btf::sock_offsets().map_err(EnrollError::SkMsgUnsupported)?;
+        crate::btf::sock_offsets()?;
     }
     let layout = PinLayout::new(pin_root);
     let netns_cookie = netns.cookie()?;

@@ -109,5 +109,5 @@ pub enum EnrollError {
     #[error(
         "sk_msg cannot be enabled on this kernel: {0}. Without them it could not bound what it queues on the proxy's socket; enrol without --sk-msg (sidestep.io/sk-msg)"
     )]
-    SkMsgUnsupported(String),
+    SkMsgUnsupported(#[from] crate::btf::BtfError),
 }

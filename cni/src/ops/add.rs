@@ -287,9 +287,7 @@ fn inbound_hook(
         return hook;
     }
     let decided = sidestep::enroll::hook::decide(ctx.dp.enrolled_hook(cookie), || {
-        ctx.dp
-            .listening(netns, policy.inbound_port)
-            .map_err(|e| e.to_string())
+        ctx.dp.listening(netns, policy.inbound_port)
     });
     decided.unwrap_or_else(|because| {
         match because {

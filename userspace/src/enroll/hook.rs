@@ -4,7 +4,11 @@
 
 use std::path::Path;
 
-use crate::{maps::PolicyMaps, netns::Netns, policy::InboundHook};
+use crate::{
+    maps::PolicyMaps,
+    netns::{Netns, NetnsError},
+    policy::InboundHook,
+};
 
 /// Why the default is not `sk_lookup` for this netns, if it is not.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,7 +26,7 @@ pub enum TcBecause {
 /// and whether something listens on the inbound port (asked only when it is not enrolled).
 pub fn decide(
     enrolled: Option<InboundHook>,
-    listening: impl FnOnce() -> Result<bool, String>,
+    listening: impl FnOnce() -> Result<bool, NetnsError>,
 ) -> Result<InboundHook, TcBecause> {
     match enrolled {
         Some(InboundHook::Tc) => return Err(TcBecause::EnrolledWithTc),
@@ -32,7 +36,7 @@ pub fn decide(
     match listening() {
         Ok(false) => Ok(InboundHook::SkLookup),
         Ok(true) => Err(TcBecause::AlreadyListening),
-        Err(e) => Err(TcBecause::Unknown(e)),
+        Err(e) => Err(TcBecause::Unknown(e.to_string())),
     }
 }
 
@@ -51,9 +55,7 @@ pub fn default_hook(
         InboundHook::of_pod_flags(pod.flags)
     });
     decide(enrolled, || {
-        netns
-            .run(|| crate::netns::tcp_listening_on(inbound_port))
-            .map_err(|e| e.to_string())
+        netns.run(|| crate::netns::tcp_listening_on(inbound_port))
     })
 }
 
