@@ -146,8 +146,8 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     // TPROXY: the proxy's own transparent connection to its app, from the client's address (in
     // ambient mode ztunnel's). Its SYN comes over lo, but the kernel reports the pod interface as
     // its ingress.
-    // SAFETY: the value is read at once.
     if pod.flags & (flags::TPROXY | flags::AMBIENT) != 0
+        // SAFETY: the value is read at once, before any update of the map could reuse the slot.
         && unsafe { SIDESTEP_PEND.get(pending) }
             .is_some_and(|o| o.kind == redirect_kind::TPROXY_PASSTHROUGH)
     {
