@@ -8,82 +8,64 @@ use std::{
 };
 
 use sidestep::{
-    enroll::{self, Enrolled, Recorded},
+    enroll::{
+        self, Enrolled, Plan, Removal,
+        verify::{self, Expected, Mismatch},
+    },
     error::{EnrollError, MapsError, NetnsError},
     maps::{MapIdentity, PolicyMaps},
     netns::Netns,
     pins::PinLayout,
     podlinks,
-    policy::{InboundHook, Policy},
+    policy::InboundHook,
 };
 
 use crate::spec::{CniError, code, error::ToCniError};
 
-/// What the pod map says about a cookie, compared with the policy we expect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PodEntry {
-    Missing,
-    Matches,
-    Differs,
+/// What ADD asks of the netns and the maps before it plans, each read only when asked.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Ask {
+    /// Whether something listens on this port in the netns (the inbound hook's rule), asked only
+    /// when the cookie is not enrolled already.
+    pub listening_on: Option<u16>,
+    /// The netns's own addresses (the pod IPs when nothing else gave them).
+    pub addresses: bool,
 }
 
+/// The answers to an [`Ask`].
+#[derive(Debug, Default)]
+pub struct Facts {
+    /// The cookie is in the pod map; `true` when that cannot be read (the answer decides only
+    /// whether the index marks the cookie for the slow, always correct path).
+    pub enrolled: bool,
+    /// The inbound hook the cookie is enrolled with (another attachment's ADD), if it is.
+    pub enrolled_hook: Option<InboundHook>,
+    /// Whether a TCP socket already listens on the asked port; an error when it cannot tell.
+    pub listening: Option<Result<bool, NetnsError>>,
+    /// The addresses of the netns's first interface that has a global one (none: empty).
+    pub addresses: Vec<std::net::IpAddr>,
+}
+
+/// The data path, in the few coarse calls the operations make: read the facts ADD decides on,
+/// apply a plan, remove what a record (or a scan) says, verify a record, and look for traces.
 pub trait Dataplane {
     fn pin_root(&self) -> &Path;
     fn is_loaded(&self) -> bool;
     /// Opens the netns (refusing the host's) and reads its cookie.
     fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError>;
-    fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError>;
-    /// Whether the maps the last [`Dataplane::enroll`] wrote are still the pinned ones: a reload
+    fn facts(&self, netns: &Path, cookie: u64, ask: Ask) -> Facts;
+    /// Enrols the plan's netns for its attachment.
+    fn apply(&self, plan: &Plan) -> Result<Enrolled, EnrollError>;
+    /// Whether the maps the last [`Dataplane::apply`] wrote are still the pinned ones: a reload
     /// that recreated one meanwhile took those writes with the old map.
-    fn enrolment_current(&self) -> bool;
-    /// Whether the cookie is in the pod map; `true` when that cannot be read (the answer decides
-    /// only whether the index marks the cookie for the slow, always correct path).
-    fn is_enrolled(&self, cookie: u64) -> bool;
-    /// The inbound hook the cookie is enrolled with (another attachment's ADD), if it is.
-    fn enrolled_hook(&self, cookie: u64) -> Option<InboundHook>;
-    /// Removes a cookie's entries (found by scanning the maps) and tc links; `Ok(false)` when it
-    /// had none. Succeeds when the programs are not loaded at all (there is nothing left to
-    /// remove).
-    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError>;
-    /// [`Dataplane::unenroll`] of the keys a recorded enrolment wrote
-    /// ([`enroll::unenroll_recorded`]), for a record that describes the whole enrolment.
-    fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError>;
-    /// Removes one attachment of a pod that other attachments keep enrolled
-    /// ([`enroll::unenroll_attachment`]).
-    fn unenroll_attachment(
-        &self,
-        cookie: u64,
-        ifname: &str,
-        addresses: &[std::net::IpAddr],
-        inbound_ifindexes: &[u32],
-    ) -> Result<(), EnrollError>;
-    /// Whether the pod map holds what enrolling `policy` wrote; `host_ids` are the proxy's IDs
-    /// on the host when the netns has a user namespace of its own (`NetnsKeys::proxy_host_ids`).
-    fn pod_entry(
-        &self,
-        cookie: u64,
-        policy: &Policy,
-        host_ids: Option<(u32, u32)>,
-    ) -> Result<PodEntry, MapsError>;
-    fn attached_interfaces(&self, cookie: u64) -> Vec<String>;
-    /// Whether the pod's netns has its pinned sk_lookup link.
-    fn has_sk_lookup(&self, cookie: u64) -> bool;
-    /// Whether the pod's netns has its pinned identity link ([`sidestep::identity`]).
-    fn has_identity(&self, cookie: u64) -> bool;
-    /// Those of `addresses` that `SIDESTEP_ADDRS` does not map to `cookie` (all of them when
-    /// the map cannot be read).
-    fn missing_addresses(
-        &self,
-        cookie: u64,
-        addresses: &[std::net::IpAddr],
-    ) -> Vec<std::net::IpAddr>;
-    /// The pod's pinned re-route links (`<ifname>:reroute-ingress`, `…:reroute-egress`).
-    fn reroute_pins(&self, cookie: u64) -> Vec<String>;
-    /// Whether a TCP socket in the netns already listens on `port`; an error when it cannot
-    /// tell.
-    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError>;
-    /// The addresses of the netns's first interface that has a global one (none: empty).
-    fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr>;
+    fn current(&self) -> bool;
+    /// Removes what `removal` names of the cookie's enrolment and its links; `Ok(false)` when it
+    /// had nothing. Succeeds when the programs are not loaded at all (nothing left to remove).
+    fn remove(&self, cookie: u64, removal: Removal<'_>) -> Result<bool, EnrollError>;
+    /// Whether the data path still holds what the record says its ADD made.
+    fn verify(&self, cookie: u64, expected: &Expected<'_>) -> Result<(), Mismatch>;
+    /// Whether anything of the cookie is in the data path (links or a pod entry).
+    fn traces(&self, cookie: u64) -> bool;
 }
 
 pub struct Pinned {
@@ -91,9 +73,9 @@ pub struct Pinned {
     /// The netns [`Dataplane::netns_cookie`] opened, kept for the enrolment that follows in the
     /// same ADD: opening it checks it is not the host's, and once is enough.
     opened: RefCell<Option<Netns>>,
-    /// The maps [`Dataplane::is_enrolled`] opened, kept for that enrolment too.
+    /// The maps [`Dataplane::facts`] opened, kept for that enrolment too.
     maps: RefCell<Option<PolicyMaps>>,
-    /// The maps the last enrolment wrote, for [`Dataplane::enrolment_current`].
+    /// The maps the last enrolment wrote, for [`Dataplane::current`].
     enrolled_into: RefCell<Option<MapIdentity>>,
 }
 
@@ -122,6 +104,27 @@ impl Pinned {
             _ => Netns::open(path),
         }
     }
+
+    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError> {
+        let ns = self.open_netns(netns)?;
+        let found = ns.run(|| sidestep::netns::tcp_listening_on(port));
+        *self.opened.borrow_mut() = Some(ns);
+        found
+    }
+
+    /// The maps, or `None` when the programs are not loaded, after detaching the pod's links: a
+    /// tc link pinned by an interrupted unload may outlive the maps.
+    fn open_for_unenrol(&self, cookie: u64) -> Result<Option<PolicyMaps>, EnrollError> {
+        match PolicyMaps::open(&self.pin_root) {
+            // Also without a pod entry: a DEL killed after removing it left the pod's rules.
+            Ok(maps) => Ok(Some(maps)),
+            Err(MapsError::NotLoaded(_)) => {
+                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
 }
 
 impl Dataplane for Pinned {
@@ -140,167 +143,105 @@ impl Dataplane for Pinned {
         Ok(cookie)
     }
 
-    fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
+    fn facts(&self, netns: &Path, cookie: u64, ask: Ask) -> Facts {
+        let maps = PolicyMaps::open(&self.pin_root).ok();
+        let entry = maps.as_ref().map(|m| m.pod(cookie));
+        let enrolled = match &entry {
+            Some(Ok(pod)) => pod.is_some(),
+            Some(Err(e)) => {
+                tracing::debug!("netns cookie {cookie}: {e}");
+                true
+            }
+            None => true,
+        };
+        let enrolled_hook = match &entry {
+            Some(Ok(Some(pod))) => InboundHook::of_pod_flags(pod.flags),
+            _ => None,
+        };
+        // Kept for the enrolment that follows.
+        *self.maps.borrow_mut() = maps;
+        let listening = ask
+            .listening_on
+            .filter(|_| enrolled_hook.is_none())
+            .map(|port| self.listening(netns, port));
+        let addresses = if ask.addresses {
+            sidestep::netns::addresses::addresses_at(netns)
+                .map(|a| a.ips.into_iter().map(|(ip, _)| ip).collect())
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        Facts {
+            enrolled,
+            enrolled_hook,
+            listening,
+            addresses,
+        }
+    }
+
+    fn apply(&self, plan: &Plan) -> Result<Enrolled, EnrollError> {
         // The same order of checks as enroll::enroll: policy, maps, then the netns.
-        policy.validate()?;
+        plan.policy.validate()?;
         let maps = match self.maps.borrow_mut().take() {
             Some(m) => m,
             None => PolicyMaps::open(&self.pin_root)?,
         };
-        let ns = self.open_netns(netns)?;
+        let ns = self.open_netns(plan.netns())?;
         *self.enrolled_into.borrow_mut() = Some(maps.identity());
         enroll::enroll_netns(
             &self.pin_root,
             maps,
             &ns,
-            policy,
-            Some(&[ifname.to_owned()]),
+            &plan.policy,
+            Some(std::slice::from_ref(&plan.ifname)),
         )
     }
 
-    fn enrolment_current(&self) -> bool {
+    fn current(&self) -> bool {
         self.enrolled_into
             .borrow()
             .as_ref()
             .is_some_and(MapIdentity::still_pinned)
     }
 
-    fn enrolled_hook(&self, cookie: u64) -> Option<InboundHook> {
-        let maps = PolicyMaps::open(&self.pin_root).ok()?;
-        InboundHook::of_pod_flags(maps.pods.get(&cookie, 0).ok()?.flags)
-    }
-
-    fn is_enrolled(&self, cookie: u64) -> bool {
-        let Ok(maps) = PolicyMaps::open(&self.pin_root) else {
-            return true;
-        };
-        let enrolled = maps.is_enrolled(cookie).unwrap_or_else(|e| {
-            tracing::debug!("netns cookie {cookie}: {e}");
-            true
-        });
-        *self.maps.borrow_mut() = Some(maps);
-        enrolled
-    }
-
-    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
-        match self.open_for_unenrol(cookie)? {
-            Some(mut maps) => {
-                let was = enroll::unenroll_cookie(&mut maps, cookie)?;
-                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
-                Ok(was)
-            }
-            None => Ok(false),
-        }
-    }
-
-    fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError> {
-        match self.open_for_unenrol(cookie)? {
-            Some(mut maps) => {
-                let was = enroll::unenroll_recorded(&mut maps, cookie, recorded)?;
-                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
-                Ok(was)
-            }
-            None => Ok(false),
-        }
-    }
-
-    fn pod_entry(
-        &self,
-        cookie: u64,
-        policy: &Policy,
-        host_ids: Option<(u32, u32)>,
-    ) -> Result<PodEntry, MapsError> {
-        let maps = PolicyMaps::open(&self.pin_root)?;
-        let want = enroll::NetnsKeys::with_host_ids(policy.to_map_entries(cookie).pod, host_ids);
-        Ok(match maps.pods.get(&cookie, 0) {
-            Ok(have) if have == want => PodEntry::Matches,
-            Ok(_) => PodEntry::Differs,
-            Err(_) => PodEntry::Missing,
-        })
-    }
-
-    fn attached_interfaces(&self, cookie: u64) -> Vec<String> {
-        podlinks::attached_interfaces(&PinLayout::new(&self.pin_root), cookie)
-    }
-
-    fn has_sk_lookup(&self, cookie: u64) -> bool {
-        podlinks::has_sk_lookup(&PinLayout::new(&self.pin_root), cookie)
-    }
-
-    fn has_identity(&self, cookie: u64) -> bool {
-        podlinks::has_identity(&PinLayout::new(&self.pin_root), cookie)
-    }
-
-    fn missing_addresses(
-        &self,
-        cookie: u64,
-        addresses: &[std::net::IpAddr],
-    ) -> Vec<std::net::IpAddr> {
-        let Ok(maps) = PolicyMaps::open(&self.pin_root) else {
-            return addresses.to_vec();
-        };
-        addresses
-            .iter()
-            .filter(|ip| {
-                maps.addresses
-                    .get(&sidestep::policy::address_words(ip), 0)
-                    .map_or(true, |owner| owner != cookie)
-            })
-            .copied()
-            .collect()
-    }
-
-    fn reroute_pins(&self, cookie: u64) -> Vec<String> {
-        podlinks::reroute_pins(&PinLayout::new(&self.pin_root), cookie)
-    }
-
-    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError> {
-        let ns = self.open_netns(netns)?;
-        let found = ns.run(|| sidestep::netns::tcp_listening_on(port));
-        *self.opened.borrow_mut() = Some(ns);
-        found
-    }
-
-    fn unenroll_attachment(
-        &self,
-        cookie: u64,
-        ifname: &str,
-        addresses: &[std::net::IpAddr],
-        inbound_ifindexes: &[u32],
-    ) -> Result<(), EnrollError> {
-        match enroll::unenroll_attachment(
-            &self.pin_root,
-            cookie,
+    fn remove(&self, cookie: u64, removal: Removal<'_>) -> Result<bool, EnrollError> {
+        if let Removal::Attachment {
             ifname,
             addresses,
             inbound_ifindexes,
-        ) {
-            // Not loaded: nothing of it is in any map.
-            Err(EnrollError::Maps(MapsError::NotLoaded(_))) => Ok(()),
-            other => other,
+        } = removal
+        {
+            return match enroll::unenroll_attachment(
+                &self.pin_root,
+                cookie,
+                ifname,
+                addresses,
+                inbound_ifindexes,
+            ) {
+                Ok(()) => Ok(true),
+                // Not loaded: nothing of it is in any map.
+                Err(EnrollError::Maps(MapsError::NotLoaded(_))) => Ok(false),
+                Err(e) => Err(e),
+            };
         }
+        let Some(mut maps) = self.open_for_unenrol(cookie)? else {
+            return Ok(false);
+        };
+        let was = match removal {
+            Removal::Recorded(recorded) => enroll::unenroll_recorded(&mut maps, cookie, &recorded)?,
+            _ => enroll::unenroll_cookie(&mut maps, cookie)?,
+        };
+        podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
+        Ok(was)
     }
 
-    fn addresses(&self, netns: &Path) -> Vec<std::net::IpAddr> {
-        sidestep::netns::addresses::addresses_at(netns)
-            .map(|a| a.ips.into_iter().map(|(ip, _)| ip).collect())
-            .unwrap_or_default()
+    fn verify(&self, cookie: u64, expected: &Expected<'_>) -> Result<(), Mismatch> {
+        let observed = verify::observe(&self.pin_root, cookie, expected);
+        verify::compare(&self.pin_root, cookie, expected, &observed)
     }
-}
 
-impl Pinned {
-    /// The maps, or `None` when the programs are not loaded, after detaching the pod's links: a
-    /// tc link pinned by an interrupted unload may outlive the maps.
-    fn open_for_unenrol(&self, cookie: u64) -> Result<Option<PolicyMaps>, EnrollError> {
-        match PolicyMaps::open(&self.pin_root) {
-            // Also without a pod entry: a DEL killed after removing it left the pod's rules.
-            Ok(maps) => Ok(Some(maps)),
-            Err(MapsError::NotLoaded(_)) => {
-                podlinks::detach_inbound(&PinLayout::new(&self.pin_root), cookie)?;
-                Ok(None)
-            }
-            Err(e) => Err(e.into()),
-        }
+    fn traces(&self, cookie: u64) -> bool {
+        verify::traces(&self.pin_root, cookie)
     }
 }
 

@@ -12,14 +12,17 @@ pub mod exclusion;
 pub mod facts;
 pub mod hook;
 mod passthrough;
+pub mod plan;
 pub mod source;
 mod trim;
 mod unenroll;
+pub mod verify;
 
 use std::{collections::HashSet, net::IpAddr, path::Path};
 
 use aya::maps::lpm_trie::Key;
 pub use facts::{NetnsFacts, NetnsKeys, Route};
+pub use plan::{Plan, Removal};
 use trim::{exclusion_routes, keep_within};
 
 pub use crate::limits::{

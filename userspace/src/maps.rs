@@ -221,9 +221,14 @@ impl PolicyMaps {
 
     /// Whether the cookie has a pod entry.
     pub fn is_enrolled(&self, netns_cookie: u64) -> Result<bool, MapsError> {
+        self.pod(netns_cookie).map(|p| p.is_some())
+    }
+
+    /// The cookie's pod entry, if it has one.
+    pub fn pod(&self, netns_cookie: u64) -> Result<Option<sidestep_abi::PodPolicy>, MapsError> {
         match self.pods.get(&netns_cookie, 0) {
-            Ok(_) => Ok(true),
-            Err(MapError::KeyNotFound) => Ok(false),
+            Ok(pod) => Ok(Some(pod)),
+            Err(MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(MapsError::Access {
                 map: map_names::POD_POLICY,
                 source,

@@ -7,15 +7,15 @@
 //! The `add:*` failpoints ([`sidestep::sys::failpoint`]) sit between the steps. The record's
 //! netns-cookie index entry goes in before the pending record (see [`crate::state`]).
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, path::Path};
 
 use serde_json::Value;
 
 use super::{
-    Ctx, Resolved, Uncaptured, args_label, pod_label, require_loaded, resolve, uncaptured,
+    Ctx, Resolved, ToEnrol, Uncaptured, args_label, pod_label, require_loaded, resolve, uncaptured,
 };
 use sidestep::{
-    enroll::hook::TcBecause,
+    enroll::{Enrolled, Plan, Removal, hook::TcBecause},
     error::EnrollError,
     policy::{InboundHook, Policy},
     sys::failpoint,
@@ -23,7 +23,8 @@ use sidestep::{
 
 use crate::{
     config::Mesh,
-    dataplane::netns_error,
+    dataplane::{Ask, Facts, netns_error},
+    mesh::Identity,
     spec::{CniError, code, error::ToCniError, result::empty_result},
     state::{RECORD_FORMAT, Record, StateDir, now_unix},
 };
@@ -58,12 +59,75 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         Some(p) => p.output(ctx.cfg.cni_version),
         None => empty_result(ctx.cfg.cni_version),
     };
+    let target = parse(ctx)?;
+    let resolved = resolve(ctx);
+    if ctx.cfg.decide_only {
+        return Ok(decision_report(&resolved));
+    }
+    let to_enrol = match decide(ctx, resolved) {
+        Decided::Enrol(e) => e,
+        Decided::Done(done) => return done.map(|()| output),
+    };
+    let attempt = Attempt::new(ctx, &target, &to_enrol);
+    let fail = |error: CniError| attempt.uncaptured(error).map(|()| output.clone());
+    let (plan, facts) = plan(ctx, &target, *to_enrol, &attempt.who);
+    if let Err(e) = require_loaded(ctx) {
+        return fail(e);
+    }
+    let previous = attempt.previous_record();
+    let mut record = attempt.record(&plan);
+    // Enrolment would refuse it too, but only after the index entry: a refused input leaves
+    // nothing, not even a marker.
+    if let Err(e) = plan.policy.validate() {
+        return Err(EnrollError::from(e).to_cni());
+    }
+    let state = &ctx.state;
     let (cid, ifname) = ctx.env.attachment();
+    if let Err(e) = state.index_attachment(plan.netns_cookie, cid, ifname, facts.enrolled) {
+        return fail(e.to_cni());
+    }
+    failpoint("add:after-index");
+    let undo = |stage| attempt.rollback(stage, &plan, previous.as_ref(), facts.enrolled);
+    if let Err(e) = state.write_pending(&record) {
+        undo(Stage::Indexed);
+        return fail(e.to_cni());
+    }
+    failpoint("add:after-pending");
+    let enrolled = match ctx.dp.apply(&plan) {
+        Ok(e) => e,
+        Err(e) => {
+            undo(Stage::Pending);
+            return fail(e.to_cni());
+        }
+    };
+    failpoint("add:after-enroll");
+    record.netns_cookie = enrolled.netns_cookie;
+    record.interfaces = enrolled.interfaces.clone();
+    record.inbound_ifindexes = Some(enrolled.inbound_ifindexes.clone());
+    record.netns_keys = Some(enrolled.netns_keys.clone());
+    let recorded = state.write_record(&record).map_err(|e| e.to_cni());
+    if let Err(e) = recorded.and_then(|()| confirm_current(ctx, &plan, &attempt.who)) {
+        undo(Stage::Enrolled(enrolled.netns_cookie));
+        return fail(e);
+    }
+    failpoint("add:after-record");
+    attempt.finish(previous, &enrolled);
+    Ok(output)
+}
+
+/// The netns the runtime named, checked before anything reads the pod.
+struct Target<'a> {
+    netns: &'a Path,
+    cookie: u64,
+}
+
+/// Parse: the netns and its cookie. A bad netns is an error whatever the decision: the host's
+/// is never a pod's. Before anything reads the pod or enters the netns's user namespace
+/// (enrolment does, for a user-namespaced pod's proxy IDs), the cookie must be the one the
+/// agent's repair found, if it asked.
+fn parse<'a>(ctx: &'a Ctx<'_>) -> Result<Target<'a>, CniError> {
     let netns = ctx.env.netns.as_deref().unwrap_or_else(|| "".as_ref());
-    // A bad netns is an error whatever the decision: the host's is never a pod's.
     let cookie = ctx.dp.netns_cookie(netns).map_err(|e| netns_error(&e))?;
-    // Before anything reads the pod or enters the netns's user namespace (enrolment does, for
-    // a user-namespaced pod's proxy IDs).
     if let Some(expected) = ctx.cfg.expect_netns_cookie
         && expected != cookie
     {
@@ -76,196 +140,240 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
             ),
         ));
     }
+    Ok(Target { netns, cookie })
+}
 
-    let resolved = resolve(ctx);
-    if ctx.cfg.decide_only {
-        return Ok(decision_report(&resolved));
-    }
-    let (enrolment, identity, api_ips) = match resolved {
+enum Decided {
+    Enrol(Box<ToEnrol>),
+    /// Nothing to enrol: skipped, let through uncaptured (FAIL_OPEN), or failed.
+    Done(Result<(), CniError>),
+}
+
+/// Decide: capture the pod, skip it, or report why it cannot be captured.
+fn decide(ctx: &Ctx<'_>, resolved: Result<Resolved, Result<Uncaptured, CniError>>) -> Decided {
+    match resolved {
         Ok(Resolved::Skip(reason, source)) => {
             tracing::info!(
                 "{} not captured: {reason}{}",
                 args_label(ctx),
                 source.map_or(String::new(), |s| format!(" (decided from {})", s.as_str()))
             );
-            return Ok(output);
+            Decided::Done(Ok(()))
         }
         Ok(Resolved::Enrol(e)) => {
             if let Some(s) = e.source {
                 tracing::info!("{}: captured, decided from {}", args_label(ctx), s.as_str());
             }
-            (e.enrolment, e.identity, e.api_ips)
+            Decided::Enrol(e)
         }
-        Err(Ok(u)) => return uncaptured(ctx, u).map(|()| output),
-        Err(Err(e)) => return Err(e),
-    };
-    let who = pod_label(identity.as_ref(), cid);
-    let mut policy = enrolment.policy;
-    policy.hairpin = enrolment.hairpin;
-    if policy.pod_ips.is_empty() {
-        policy.pod_ips = pod_ips(ctx, netns, api_ips, &who);
+        Err(Ok(u)) => Decided::Done(uncaptured(ctx, u)),
+        Err(Err(e)) => Decided::Done(Err(e)),
     }
-    policy.inbound_hook = inbound_hook(ctx, netns, cookie, &policy, &who);
+}
 
-    // Refusals of the input are not outages: FAIL_OPEN does not cover them.
-    let fail = |error: CniError| {
+/// Plan: the policy as it will be enrolled (pod IPs, inbound hook), from one read of the netns
+/// and the maps.
+fn plan(ctx: &Ctx<'_>, target: &Target<'_>, to_enrol: ToEnrol, who: &str) -> (Plan, Facts) {
+    let mut policy = to_enrol.enrolment.policy;
+    policy.hairpin = to_enrol.enrolment.hairpin;
+    let known_ips = match &ctx.cfg.prev_result {
+        Some(p) if !p.ips.is_empty() => p.ips.clone(),
+        _ => to_enrol.api_ips,
+    };
+    let hook = ctx.cfg.inbound_hook;
+    let ask = Ask {
+        listening_on: (hook == InboundHook::SkLookup && policy.inbound_port != 0)
+            .then_some(policy.inbound_port),
+        addresses: policy.pod_ips.is_empty() && known_ips.is_empty(),
+    };
+    let mut facts = ctx.dp.facts(target.netns, target.cookie, ask);
+    if policy.pod_ips.is_empty() {
+        policy.pod_ips = pod_ips(known_ips, std::mem::take(&mut facts.addresses), who);
+    }
+    policy.inbound_hook = inbound_hook(hook, &policy, &mut facts, who);
+    let (_, ifname) = ctx.env.attachment();
+    let plan = Plan {
+        netns: target.netns.to_path_buf(),
+        netns_cookie: target.cookie,
+        ifname: ifname.to_owned(),
+        policy,
+    };
+    (plan, facts)
+}
+
+/// How far a failed ADD got: what its rollback undoes.
+#[derive(Clone, Copy)]
+enum Stage {
+    /// The index entry is in; writing the pending record failed.
+    Indexed,
+    /// The pending record is written; enrolment failed.
+    Pending,
+    /// This netns cookie is enrolled; its record, or the check that it went into the maps now
+    /// pinned, failed.
+    Enrolled(u64),
+}
+
+/// One ADD's attachment and pod, for its record, its rollback and its logs.
+struct Attempt<'c, 'a> {
+    ctx: &'c Ctx<'a>,
+    identity: Option<Identity>,
+    who: String,
+}
+
+impl<'c, 'a> Attempt<'c, 'a> {
+    fn new(ctx: &'c Ctx<'a>, _target: &Target<'_>, to_enrol: &ToEnrol) -> Self {
+        let (cid, _) = ctx.env.attachment();
+        Self {
+            ctx,
+            who: pod_label(to_enrol.identity.as_ref(), cid),
+            identity: to_enrol.identity.clone(),
+        }
+    }
+
+    /// Refusals of the input are not outages: FAIL_OPEN does not cover them.
+    fn uncaptured(&self, error: CniError) -> Result<(), CniError> {
         if matches!(error.code, code::INVALID_NETNS | code::INVALID_CONFIG) {
             return Err(error);
         }
         uncaptured(
-            ctx,
+            self.ctx,
             Uncaptured {
                 error,
-                identity: identity.clone(),
+                identity: self.identity.clone(),
             },
         )
-        .map(|()| output.clone())
-    };
-    if let Err(e) = require_loaded(ctx) {
-        return fail(e);
     }
-    let previous = match ctx.state.read_record(cid, ifname) {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::warn!("{who}: {e}; ADD replaces it");
+
+    /// The record an earlier ADD of this attachment wrote, if it reads.
+    fn previous_record(&self) -> Option<Record> {
+        let (cid, ifname) = self.ctx.env.attachment();
+        self.ctx.state.read_record(cid, ifname).unwrap_or_else(|e| {
+            tracing::warn!("{}: {e}; ADD replaces it", self.who);
             None
-        }
-    };
-    let mut record = Record {
-        format: RECORD_FORMAT,
-        network: ctx.cfg.name.clone(),
-        container_id: cid.into(),
-        ifname: ifname.into(),
-        netns: netns.to_path_buf(),
-        netns_cookie: cookie,
-        interfaces: Vec::new(),
-        // podman passes K8S_POD_NAME alone; it still tells the operator which pod this is.
-        pod_name: identity
-            .as_ref()
-            .map(|i| i.name.clone())
-            .or_else(|| ctx.env.args.get("K8S_POD_NAME").map(str::to_owned)),
-        pod_namespace: identity.as_ref().map(|i| i.namespace.clone()),
-        mesh: mesh_name(ctx.cfg.mesh).into(),
-        policy,
-        pin_root: ctx.dp.pin_root().to_path_buf(),
-        created_unix: now_unix(),
-        inbound_ifindexes: None,
-        netns_keys: None,
-        pending: false,
-        writer_pid: None,
-    };
-    // Enrolment would refuse it too, but only after the index entry: a refused input leaves
-    // nothing, not even a marker.
-    if let Err(e) = record.policy.validate() {
-        return Err(EnrollError::from(e).to_cni());
+        })
     }
-    let previous_cookie = previous.as_ref().map(|p| p.netns_cookie);
-    let enrolled_before = ctx.dp.is_enrolled(cookie);
-    if let Err(e) = ctx
-        .state
-        .index_attachment(cookie, cid, ifname, enrolled_before)
-    {
-        return fail(e.to_cni());
-    }
-    // A failed re-enrolment may leave part of its policy beside the earlier one, which then no
-    // record describes: the cookie's last DEL must scan the maps.
-    let unexact = || {
-        if enrolled_before && let Err(e) = ctx.state.mark_unexact(cookie) {
-            tracing::warn!("{who}: {e}");
+
+    /// The record of `plan`, before enrolment fills in what it wrote.
+    fn record(&self, plan: &Plan) -> Record {
+        let ctx = self.ctx;
+        let (cid, ifname) = ctx.env.attachment();
+        Record {
+            format: RECORD_FORMAT,
+            network: ctx.cfg.name.clone(),
+            container_id: cid.into(),
+            ifname: ifname.into(),
+            netns: plan.netns.clone(),
+            netns_cookie: plan.netns_cookie,
+            interfaces: Vec::new(),
+            // podman passes K8S_POD_NAME alone; it still tells the operator which pod this is.
+            pod_name: self
+                .identity
+                .as_ref()
+                .map(|i| i.name.clone())
+                .or_else(|| ctx.env.args.get("K8S_POD_NAME").map(str::to_owned)),
+            pod_namespace: self.identity.as_ref().map(|i| i.namespace.clone()),
+            mesh: mesh_name(ctx.cfg.mesh).into(),
+            policy: plan.policy.clone(),
+            pin_root: ctx.dp.pin_root().to_path_buf(),
+            created_unix: now_unix(),
+            inbound_ifindexes: None,
+            netns_keys: None,
+            pending: false,
+            writer_pid: None,
         }
-    };
-    failpoint("add:after-index");
-    if let Err(e) = ctx.state.write_pending(&record) {
-        unindex_failed(ctx, cookie, previous_cookie, &who);
-        return fail(e.to_cni());
     }
-    failpoint("add:after-pending");
-    let enrolled = match ctx.dp.enroll(netns, &record.policy, ifname) {
-        Ok(e) => e,
-        Err(e) => {
-            unexact();
-            restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
-            unindex_failed(ctx, cookie, previous_cookie, &who);
-            return fail(e.to_cni());
+
+    /// Undoes what an ADD that failed at `stage` did: its index entry, the pending record (or
+    /// the earlier record put back), and the enrolment if it was this ADD's alone.
+    fn rollback(
+        &self,
+        stage: Stage,
+        plan: &Plan,
+        previous: Option<&Record>,
+        enrolled_before: bool,
+    ) {
+        let ctx = self.ctx;
+        let (cid, ifname) = ctx.env.attachment();
+        let who = &self.who;
+        if !matches!(stage, Stage::Indexed) {
+            // A failed re-enrolment may leave part of its policy beside the earlier one, which
+            // then no record describes: the cookie's last DEL must scan the maps.
+            if enrolled_before && let Err(e) = ctx.state.mark_unexact(plan.netns_cookie) {
+                tracing::warn!("{who}: {e}");
+            }
         }
-    };
-    failpoint("add:after-enroll");
-    record.netns_cookie = enrolled.netns_cookie;
-    record.interfaces = enrolled.interfaces.clone();
-    record.inbound_ifindexes = Some(enrolled.inbound_ifindexes.clone());
-    record.netns_keys = Some(enrolled.netns_keys.clone());
-    let recorded = ctx
-        .state
-        .write_record(&record)
-        .map_err(|e| e.to_cni())
-        .and_then(|()| confirm_current(ctx, netns, &record.policy, ifname, &who));
-    if let Err(e) = recorded {
-        unexact();
-        // Keep an enrolment an earlier ADD of this attachment recorded; undo only ours.
-        let ours = previous
-            .as_ref()
-            .is_none_or(|p| p.netns_cookie != enrolled.netns_cookie);
-        if ours
-            && ctx
-                .state
-                .sharing(enrolled.netns_cookie, cid, ifname, &BTreeSet::new())
-                .others
-                == 0
-            && let Err(u) = ctx.dp.unenroll(enrolled.netns_cookie)
+        if let Stage::Enrolled(cookie) = stage {
+            // Keep an enrolment an earlier ADD of this attachment recorded; undo only ours.
+            let ours = previous.is_none_or(|p| p.netns_cookie != cookie);
+            if ours
+                && ctx
+                    .state
+                    .sharing(cookie, cid, ifname, &BTreeSet::new())
+                    .others
+                    == 0
+                && let Err(u) = ctx.dp.remove(cookie, Removal::Scan)
+            {
+                tracing::error!("{who}: rolling back the enrolment failed: {u}");
+            }
+        }
+        if !matches!(stage, Stage::Indexed) {
+            restore(&ctx.state, previous, cid, ifname, who);
+        }
+        // Its index entry goes unless the attachment's earlier record (put back) names the
+        // same cookie. Markers stay: they describe the netns, not this attachment.
+        if previous.map(|p| p.netns_cookie) != Some(plan.netns_cookie)
+            && let Err(e) = ctx.state.unindex(plan.netns_cookie, cid, ifname, false)
         {
-            tracing::error!("{who}: rolling back the enrolment failed: {u}");
-        }
-        restore(&ctx.state, previous.as_ref(), cid, ifname, &who);
-        unindex_failed(ctx, cookie, previous_cookie, &who);
-        return fail(e);
-    }
-    failpoint("add:after-record");
-    if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie) {
-        // The same attachment in a new netns: the old one is no longer ours.
-        let last = ctx
-            .state
-            .sharing(p.netns_cookie, cid, ifname, &BTreeSet::new())
-            .others
-            == 0;
-        if last && let Err(e) = ctx.dp.unenroll(p.netns_cookie) {
-            tracing::warn!("{who}: removing the enrolment of its previous netns failed: {e}");
-        }
-        if let Err(e) = ctx.state.unindex(p.netns_cookie, cid, ifname, last) {
             tracing::warn!("{who}: {e}; GC removes the entry later");
         }
     }
-    let _ = ctx.state.remove_marker(cid, ifname);
-    tracing::info!(
-        "{who} captured (netns cookie {}, inbound on [{}])",
-        enrolled.netns_cookie,
-        enrolled.interfaces.join(",")
-    );
-    Ok(output)
+
+    /// After the record: the attachment's previous netns is no longer its own, and a FAIL_OPEN
+    /// marker of an earlier ADD goes.
+    fn finish(&self, previous: Option<Record>, enrolled: &Enrolled) {
+        let ctx = self.ctx;
+        let (cid, ifname) = ctx.env.attachment();
+        let who = &self.who;
+        if let Some(p) = previous.filter(|p| p.netns_cookie != enrolled.netns_cookie) {
+            let last = ctx
+                .state
+                .sharing(p.netns_cookie, cid, ifname, &BTreeSet::new())
+                .others
+                == 0;
+            if last && let Err(e) = ctx.dp.remove(p.netns_cookie, Removal::Scan) {
+                tracing::warn!("{who}: removing the enrolment of its previous netns failed: {e}");
+            }
+            if let Err(e) = ctx.state.unindex(p.netns_cookie, cid, ifname, last) {
+                tracing::warn!("{who}: {e}; GC removes the entry later");
+            }
+        }
+        let _ = ctx.state.remove_marker(cid, ifname);
+        tracing::info!(
+            "{who} captured (netns cookie {}, inbound on [{}])",
+            enrolled.netns_cookie,
+            enrolled.interfaces.join(",")
+        );
+    }
 }
 
-/// The pod's addresses: prevResult's, else the pod status's, else what the netns has (a
-/// runtime can ADD before it reports IPs). With none the pod is enrolled anyway: no hairpin, and
-/// inbound through tc (see [`inbound_hook`]).
+/// The pod's addresses: prevResult's, else the pod status's (`known`), else what the netns has
+/// (a runtime can ADD before it reports IPs). With none the pod is enrolled anyway: no hairpin,
+/// and inbound through tc (see [`inbound_hook`]).
 fn pod_ips(
-    ctx: &Ctx<'_>,
-    netns: &std::path::Path,
-    api_ips: Vec<std::net::IpAddr>,
+    known: Vec<std::net::IpAddr>,
+    in_netns: Vec<std::net::IpAddr>,
     who: &str,
 ) -> Vec<std::net::IpAddr> {
-    let mut ips = match &ctx.cfg.prev_result {
-        Some(p) if !p.ips.is_empty() => p.ips.clone(),
-        _ => api_ips,
-    };
-    if ips.is_empty() {
-        ips = ctx.dp.addresses(netns);
-        if ips.is_empty() {
-            tracing::info!(
-                "{who}: no pod IPs in prevResult, the pod status or the netns; enrolling without \
-                 hairpin"
-            );
-        }
+    if !known.is_empty() {
+        return known;
     }
-    ips
+    if in_netns.is_empty() {
+        tracing::info!(
+            "{who}: no pod IPs in prevResult, the pod status or the netns; enrolling without \
+             hairpin"
+        );
+    }
+    in_netns
 }
 
 /// The configured inbound hook, but `tc` where `sk_lookup` cannot work: when something already
@@ -275,20 +383,13 @@ fn pod_ips(
 ///
 /// A netns another attachment enrolled already keeps that attachment's hook: its proxy may
 /// listen by now, and with `sk_lookup` the listener is known, with `tc` it may not be.
-fn inbound_hook(
-    ctx: &Ctx<'_>,
-    netns: &std::path::Path,
-    cookie: u64,
-    policy: &Policy,
-    who: &str,
-) -> InboundHook {
-    let hook = ctx.cfg.inbound_hook;
+fn inbound_hook(hook: InboundHook, policy: &Policy, facts: &mut Facts, who: &str) -> InboundHook {
     if hook != InboundHook::SkLookup || policy.inbound_port == 0 {
         return hook;
     }
-    let decided = sidestep::enroll::hook::decide(ctx.dp.enrolled_hook(cookie), || {
-        ctx.dp.listening(netns, policy.inbound_port)
-    });
+    let listening = facts.listening.take();
+    let decided =
+        sidestep::enroll::hook::decide(facts.enrolled_hook, || listening.unwrap_or(Ok(true)));
     decided.unwrap_or_else(|because| {
         match because {
             TcBecause::EnrolledWithTc => {}
@@ -309,43 +410,25 @@ const ENROL_ATTEMPTS_ACROSS_RELOADS: usize = 3;
 /// enrolment with the old maps, and read the records before this one was complete: enrol again
 /// into the maps now pinned. A reload that keeps racing fails the ADD (try again later), never
 /// lets the pod start uncaptured.
-fn confirm_current(
-    ctx: &Ctx<'_>,
-    netns: &std::path::Path,
-    policy: &Policy,
-    ifname: &str,
-    who: &str,
-) -> Result<(), CniError> {
+fn confirm_current(ctx: &Ctx<'_>, plan: &Plan, who: &str) -> Result<(), CniError> {
     for _ in 1..ENROL_ATTEMPTS_ACROSS_RELOADS {
-        if ctx.dp.enrolment_current() {
+        if ctx.dp.current() {
             return Ok(());
         }
         tracing::warn!("{who}: the maps were recreated during ADD; enrolling into the new ones");
-        ctx.dp
-            .enroll(netns, policy, ifname)
-            .map_err(|e| e.to_cni())?;
+        ctx.dp.apply(plan).map_err(|e| e.to_cni())?;
     }
-    if ctx.dp.enrolment_current() {
+    if ctx.dp.current() {
         return Ok(());
     }
     Err(CniError::new(
         code::TRY_AGAIN_LATER,
         format!(
-            "the maps under {} were recreated during each of {ENROL_ATTEMPTS_ACROSS_RELOADS}              enrolments (a reload in progress)",
+            "the maps under {} were recreated during each of {ENROL_ATTEMPTS_ACROSS_RELOADS} \
+             enrolments (a reload in progress)",
             ctx.dp.pin_root().display()
         ),
     ))
-}
-
-/// After a failed ADD: its index entry goes unless the attachment's earlier record (put back)
-/// names the same cookie. Markers stay: they describe the netns, not this attachment.
-fn unindex_failed(ctx: &Ctx<'_>, cookie: u64, previous_cookie: Option<u64>, who: &str) {
-    if previous_cookie != Some(cookie) {
-        let (cid, ifname) = ctx.env.attachment();
-        if let Err(e) = ctx.state.unindex(cookie, cid, ifname, false) {
-            tracing::warn!("{who}: {e}; GC removes the entry later");
-        }
-    }
 }
 
 /// Puts back the record an earlier ADD of this attachment wrote, or removes the pending one,

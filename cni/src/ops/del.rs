@@ -14,7 +14,7 @@
 
 use std::collections::BTreeSet;
 
-use sidestep::{enroll::Recorded, sys::failpoint};
+use sidestep::{enroll::Removal, sys::failpoint};
 
 use super::Ctx;
 use crate::{
@@ -65,12 +65,8 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
     let never_captured = record.is_none()
         && !damaged
         && cookie.is_some_and(|c| {
-            // The pin and directory checks first: the pod map is the one that opens maps.
-            !ctx.state.index().cookie_dir(c).exists()
-                && !ctx.dp.has_sk_lookup(c)
-                && ctx.dp.attached_interfaces(c).is_empty()
-                && ctx.dp.reroute_pins(c).is_empty()
-                && !ctx.dp.is_enrolled(c)
+            // The directory first: the data path's traces open maps.
+            !ctx.state.index().cookie_dir(c).exists() && !ctx.dp.traces(c)
         });
     if never_captured {
         tracing::debug!("DEL {cid}/{ifname}: never captured, nothing to unenrol");
@@ -88,10 +84,12 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
                     |k| k.interface_addresses.clone(),
                 );
                 let ifindexes = r.inbound_ifindexes.clone().unwrap_or_default();
-                if let Err(e) = ctx
-                    .dp
-                    .unenroll_attachment(cookie, ifname, &addresses, &ifindexes)
-                {
+                let removal = Removal::Attachment {
+                    ifname,
+                    addresses: &addresses,
+                    inbound_ifindexes: &ifindexes,
+                };
+                if let Err(e) = ctx.dp.remove(cookie, removal) {
                     return Err(CniError::new(
                         code::CLEANUP_FAILED,
                         format!("cannot remove attachment {ifname} of netns cookie {cookie}: {e}"),
@@ -110,17 +108,10 @@ pub fn del(ctx: &Ctx<'_>) -> Result<(), CniError> {
                 .filter(|r| sharing.sole && !r.pending && r.netns_cookie == cookie);
             let (result, how) = match exact {
                 Some(r) => (
-                    ctx.dp.unenroll_recorded(
-                        cookie,
-                        &Recorded {
-                            policy: &r.policy,
-                            inbound_ifindexes: r.inbound_ifindexes.as_deref(),
-                            netns_keys: r.netns_keys.as_ref(),
-                        },
-                    ),
+                    ctx.dp.remove(cookie, Removal::Recorded(r.recorded())),
                     "by its record's keys",
                 ),
-                None => (ctx.dp.unenroll(cookie), "by scanning the maps"),
+                None => (ctx.dp.remove(cookie, Removal::Scan), "by scanning the maps"),
             };
             match result {
                 Ok(was) => tracing::info!(

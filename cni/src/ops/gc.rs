@@ -5,6 +5,8 @@
 
 use std::{collections::BTreeSet, path::Path};
 
+use sidestep::enroll::Removal;
+
 use super::Ctx;
 use crate::spec::{CniError, code};
 
@@ -54,7 +56,7 @@ pub fn gc(ctx: &Ctx<'_>) -> Result<(), CniError> {
             .others
             == 0;
         // The scan, not the record's keys: GC is the safety net for whatever DEL missed.
-        if last && let Err(e) = ctx.dp.unenroll(r.netns_cookie) {
+        if last && let Err(e) = ctx.dp.remove(r.netns_cookie, Removal::Scan) {
             named.insert(r.netns_cookie);
             errors.push(format!(
                 "{}/{} (netns cookie {}): {e}",

@@ -10,14 +10,17 @@ use std::{
 
 use serde_json::{Value, json};
 use sidestep::{
-    enroll::{Enrolled, Recorded},
+    enroll::{
+        Enrolled, Plan, Removal,
+        verify::{self, Expected, Mismatch, Observed, PodEntry},
+    },
     error::{EnrollError, MapsError, NetnsError},
     policy::Policy,
 };
 
 use crate::{
     config::PluginConfig,
-    dataplane::{Dataplane, PodEntry},
+    dataplane::{Ask, Dataplane, Facts},
     plugin::{Deps, Outcome, run},
     podsource::{PodReader, Unavailable},
     spec::code,
@@ -44,28 +47,8 @@ struct World {
 
 struct Fake(Rc<World>, PathBuf);
 
-impl Dataplane for Fake {
-    fn pin_root(&self) -> &Path {
-        &self.1
-    }
-    fn is_loaded(&self) -> bool {
-        self.0.loaded.get()
-    }
-    fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError> {
-        if netns == Path::new("/proc/1/ns/net") {
-            return Err(NetnsError::HostNetns(netns.into()));
-        }
-        self.0
-            .netns
-            .borrow()
-            .get(netns)
-            .copied()
-            .ok_or_else(|| NetnsError::Open {
-                path: netns.into(),
-                source: io::ErrorKind::NotFound.into(),
-            })
-    }
-    fn enroll(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
+impl Fake {
+    fn enrol(&self, netns: &Path, policy: &Policy, ifname: &str) -> Result<Enrolled, EnrollError> {
         if !self.is_loaded() {
             return Err(MapsError::NotLoaded(self.1.clone()).into());
         }
@@ -91,84 +74,7 @@ impl Dataplane for Fake {
             netns_keys: Default::default(),
         })
     }
-    fn enrolment_current(&self) -> bool {
-        let reloads = self.0.reloads_after_enroll.get();
-        if reloads == 0 {
-            return true;
-        }
-        self.0.reloads_after_enroll.set(reloads - 1);
-        self.0.pods.borrow_mut().clear();
-        false
-    }
-    fn is_enrolled(&self, cookie: u64) -> bool {
-        self.0.pods.borrow().contains_key(&cookie)
-    }
-    fn enrolled_hook(&self, cookie: u64) -> Option<sidestep::policy::InboundHook> {
-        self.0.pods.borrow().get(&cookie).map(|p| p.inbound_hook)
-    }
-    fn unenroll(&self, cookie: u64) -> Result<bool, EnrollError> {
-        self.0.unenrolments.borrow_mut().push((cookie, false));
-        self.0.links.borrow_mut().remove(&cookie);
-        Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
-    }
-    fn unenroll_recorded(&self, cookie: u64, recorded: &Recorded<'_>) -> Result<bool, EnrollError> {
-        assert_eq!(recorded.inbound_ifindexes, Some(&[2][..]));
-        self.0.unenrolments.borrow_mut().push((cookie, true));
-        self.0.links.borrow_mut().remove(&cookie);
-        Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
-    }
-    fn unenroll_attachment(
-        &self,
-        cookie: u64,
-        ifname: &str,
-        _addresses: &[std::net::IpAddr],
-        _inbound_ifindexes: &[u32],
-    ) -> Result<(), EnrollError> {
-        if let Some(links) = self.0.links.borrow_mut().get_mut(&cookie) {
-            links.retain(|l| l != ifname);
-        }
-        Ok(())
-    }
-    fn pod_entry(
-        &self,
-        cookie: u64,
-        policy: &Policy,
-        _host_ids: Option<(u32, u32)>,
-    ) -> Result<PodEntry, MapsError> {
-        Ok(match self.0.pods.borrow().get(&cookie) {
-            None => PodEntry::Missing,
-            Some(p) if p == policy => PodEntry::Matches,
-            Some(_) => PodEntry::Differs,
-        })
-    }
-    fn attached_interfaces(&self, cookie: u64) -> Vec<String> {
-        self.0
-            .links
-            .borrow()
-            .get(&cookie)
-            .cloned()
-            .unwrap_or_default()
-    }
-    fn has_identity(&self, cookie: u64) -> bool {
-        self.has_sk_lookup(cookie)
-    }
-    fn missing_addresses(
-        &self,
-        _cookie: u64,
-        _addresses: &[std::net::IpAddr],
-    ) -> Vec<std::net::IpAddr> {
-        Vec::new()
-    }
-    fn has_sk_lookup(&self, cookie: u64) -> bool {
-        self.0.links.borrow().contains_key(&cookie)
-    }
-    fn listening(&self, netns: &Path, port: u16) -> Result<bool, NetnsError> {
-        self.netns_cookie(netns)?;
-        Ok(self.0.listening.borrow().contains(&port))
-    }
-    fn addresses(&self, _netns: &Path) -> Vec<std::net::IpAddr> {
-        self.0.addresses.borrow().clone()
-    }
+
     /// What a real enrolment pins for the policy's re-routed interfaces.
     fn reroute_pins(&self, cookie: u64) -> Vec<String> {
         self.0
@@ -186,6 +92,97 @@ impl Dataplane for Fake {
                     })
                     .collect()
             })
+    }
+}
+
+impl Dataplane for Fake {
+    fn pin_root(&self) -> &Path {
+        &self.1
+    }
+    fn is_loaded(&self) -> bool {
+        self.0.loaded.get()
+    }
+    fn netns_cookie(&self, netns: &Path) -> Result<u64, NetnsError> {
+        if netns == Path::new("/proc/1/ns/net") {
+            return Err(NetnsError::HostNetns(netns.into()));
+        }
+        self.0
+            .netns
+            .borrow()
+            .get(netns)
+            .copied()
+            .ok_or_else(|| NetnsError::Open {
+                path: netns.into(),
+                source: io::ErrorKind::NotFound.into(),
+            })
+    }
+    fn facts(&self, netns: &Path, cookie: u64, ask: Ask) -> Facts {
+        let enrolled_hook = self.0.pods.borrow().get(&cookie).map(|p| p.inbound_hook);
+        Facts {
+            enrolled: self.0.pods.borrow().contains_key(&cookie),
+            enrolled_hook,
+            listening: ask
+                .listening_on
+                .filter(|_| enrolled_hook.is_none())
+                .map(|port| {
+                    self.netns_cookie(netns)?;
+                    Ok(self.0.listening.borrow().contains(&port))
+                }),
+            addresses: if ask.addresses {
+                self.0.addresses.borrow().clone()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+    fn apply(&self, plan: &Plan) -> Result<Enrolled, EnrollError> {
+        self.enrol(&plan.netns, &plan.policy, &plan.ifname)
+    }
+    fn current(&self) -> bool {
+        let reloads = self.0.reloads_after_enroll.get();
+        if reloads == 0 {
+            return true;
+        }
+        self.0.reloads_after_enroll.set(reloads - 1);
+        self.0.pods.borrow_mut().clear();
+        false
+    }
+    fn remove(&self, cookie: u64, removal: Removal<'_>) -> Result<bool, EnrollError> {
+        match removal {
+            Removal::Attachment { ifname, .. } => {
+                if let Some(links) = self.0.links.borrow_mut().get_mut(&cookie) {
+                    links.retain(|l| l != ifname);
+                }
+                return Ok(true);
+            }
+            Removal::Recorded(recorded) => {
+                assert_eq!(recorded.inbound_ifindexes, Some(&[2][..]));
+                self.0.unenrolments.borrow_mut().push((cookie, true));
+            }
+            Removal::Scan => self.0.unenrolments.borrow_mut().push((cookie, false)),
+        }
+        self.0.links.borrow_mut().remove(&cookie);
+        Ok(self.0.pods.borrow_mut().remove(&cookie).is_some())
+    }
+    /// The library's rule ([`verify::compare`]) over what this world holds.
+    fn verify(&self, cookie: u64, expected: &Expected<'_>) -> Result<(), Mismatch> {
+        let links = self.0.links.borrow().get(&cookie).cloned();
+        let observed = Observed {
+            pod_entry: match self.0.pods.borrow().get(&cookie) {
+                None => PodEntry::Missing,
+                Some(p) if p == expected.policy => PodEntry::Matches,
+                Some(_) => PodEntry::Differs,
+            },
+            reroute_pins: self.reroute_pins(cookie),
+            sk_lookup: links.is_some(),
+            identity: links.is_some(),
+            missing_addresses: Vec::new(),
+            tc_interfaces: links.unwrap_or_default(),
+        };
+        verify::compare(&self.1, cookie, expected, &observed)
+    }
+    fn traces(&self, cookie: u64) -> bool {
+        self.0.links.borrow().contains_key(&cookie) || self.0.pods.borrow().contains_key(&cookie)
     }
 }
 

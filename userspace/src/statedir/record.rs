@@ -57,6 +57,27 @@ pub struct FailOpenMarker {
     pub created_unix: u64,
 }
 
+impl Record {
+    /// What the enrolment wrote, as its DEL removes it without a scan.
+    pub fn recorded(&self) -> crate::enroll::Recorded<'_> {
+        crate::enroll::Recorded {
+            policy: &self.policy,
+            inbound_ifindexes: self.inbound_ifindexes.as_deref(),
+            netns_keys: self.netns_keys.as_ref(),
+        }
+    }
+
+    /// The plan its ADD applied, read back.
+    pub fn plan(&self) -> crate::enroll::Plan {
+        crate::enroll::Plan {
+            netns: self.netns.clone(),
+            netns_cookie: self.netns_cookie,
+            ifname: self.ifname.clone(),
+            policy: self.policy.clone(),
+        }
+    }
+}
+
 /// The fields of a [`Record`] the agent lists pods by, read leniently: a record whose policy has
 /// keys this build does not know (a newer plugin's), or that lacks fields older plugins did not
 /// write, still names its pod, netns and cookie, so the agent can collect it. [`Record`] itself
