@@ -1,11 +1,12 @@
-//! The agent's lifecycle with real pods: `sidestep uninstall` leaves nothing behind and DEL
-//! still succeeds after it; pods that started before the agent are reported, repaired in place
+//! The agent's lifecycle with real pods: `sidestep uninstall` drains (running pods keep their
+//! capture and the plugin stays for their DEL, then nothing is left), by hand or by the agent,
+//! and `--force` removes everything at once; pods that started before the agent are reported, repaired in place
 //! with `--repair` (found through a local API server serving real Pod JSON, and skipped exactly
 //! when their ADD would skip them), and garbage-collected once their netns is gone. Needs root.
 
 mod agent_support;
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{collections::BTreeSet, path::Path, time::Duration};
 
 use agent_support::{
     APP_UID, Agent, Dirs, PodApi, api_pod, base_args, free_port, meshed, wait_until,
@@ -46,9 +47,107 @@ fn all_links() -> Result<BTreeSet<u64>> {
         .collect())
 }
 
+/// Nothing of sidestep is left: pins, links, programs on the cgroup, the binary, the kubeconfig,
+/// the records; and the conflist is the one the agent found.
+fn ensure_nothing_left(
+    env: &TestEnv,
+    d: &Dirs,
+    primary: &Path,
+    original: &Value,
+    links: &BTreeSet<u64>,
+) -> Result<()> {
+    ensure!(!env.pin_root().exists(), "pin root left");
+    let left: Vec<u64> = all_links()?.intersection(links).copied().collect();
+    ensure!(left.is_empty(), "links still exist: {left:?}");
+    let cg = bpftool(&["cgroup", "show", &env.cgroup_path().display().to_string()])?;
+    ensure!(
+        cg.as_array().is_none_or(Vec::is_empty),
+        "programs still attached to the cgroup: {cg}"
+    );
+    let now: Value = serde_json::from_slice(&std::fs::read(primary)?)?;
+    ensure!(now == *original, "conflist not restored: {now}");
+    ensure!(!d.bin.join("sidestep").exists(), "plugin binary left");
+    ensure!(!d.kubeconfig().exists(), "kubeconfig left");
+    let records = std::fs::read_dir(&d.state).map(|r| r.count()).unwrap_or(0);
+    ensure!(records == 0, "{records} state entries left");
+    let conf_files: Vec<_> = std::fs::read_dir(&d.conf)?
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    ensure!(conf_files.len() == 1, "conf dir: {conf_files:?}");
+    Ok(())
+}
+
+/// A node whose runtime runs the chain it cached at ADD (sidestep in it) and finds plugins only
+/// in the directory the agent installs into: no fallback copy of the plugin.
+fn node_without_fallback(env: &TestEnv, d: &Dirs) -> Result<Node> {
+    Node::new(
+        env,
+        NodeOptions {
+            dual_stack: false,
+            chain: vec![d.entry("10-test.conflist")?],
+            plugin_dirs: vec![d.bin.clone()],
+        },
+    )
+}
+
 #[test]
-fn uninstall_leaves_nothing_and_del_still_succeeds() -> Result<()> {
-    if skip_unless_root("uninstall_leaves_nothing_and_del_still_succeeds") {
+fn uninstall_drains_until_the_last_pod_is_gone() -> Result<()> {
+    if skip_unless_root("uninstall_drains_until_the_last_pod_is_gone") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-drain")?;
+    let d = Dirs::new(&env)?;
+    let primary = d.write_primary("10-test.conflist")?;
+    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
+    let port = free_port()?;
+    let mut agent = Agent::start(&env, &base_args(&env, &d, port), port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let node = node_without_fallback(&env, &d)?;
+    let pod = node.add_pod_with("web", meshed())?;
+    let cookie = pod.netns_cookie()?;
+    ensure!(agent_support::enrolled_cookies(&env)? == [cookie]);
+    let links = pinned_links(&env)?;
+    let st = agent.child.terminate(Duration::from_secs(10))?;
+    ensure!(st.success());
+
+    // The drain: the entry goes, so no new pod is enrolled; the running pod keeps its capture
+    // (its pod entry and every link) and the plugin stays for its DEL.
+    let out = agent_support::uninstall_with(&env, &d, &[])?;
+    eprintln!("{out}");
+    ensure!(out.contains("draining: 1 enrolled pods"), "{out}");
+    let now: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
+    ensure!(
+        now == original,
+        "the sidestep entry is still in the conflist: {now}"
+    );
+    ensure!(
+        agent_support::enrolled_cookies(&env)? == [cookie],
+        "the pod lost its capture"
+    );
+    ensure!(
+        pinned_links(&env)? == links,
+        "links changed during the drain"
+    );
+    ensure!(
+        d.bin.join("sidestep").exists(),
+        "plugin binary removed while a pod needs it"
+    );
+    // Again: nothing changes while the pod runs.
+    ensure!(agent_support::uninstall_with(&env, &d, &[])?.contains("draining: 1 enrolled pods"));
+
+    // The runtime deletes the pod with the chain it cached, from the directory the agent
+    // installed into: the plugin is still there, and DEL exits 0.
+    node.remove_pod(&pod).context("DEL during the drain")?;
+    let out = agent_support::uninstall_with(&env, &d, &[])?;
+    eprintln!("{out}");
+    ensure!(!out.contains("draining"), "{out}");
+    ensure_nothing_left(&env, &d, &primary, &original, &links)
+}
+
+#[test]
+fn uninstall_force_removes_everything_and_counts_the_pods_it_leaves() -> Result<()> {
+    if skip_unless_root("uninstall_force_removes_everything_and_counts_the_pods_it_leaves") {
         return Ok(());
     }
     let env = TestEnv::new("agent-uninstall")?;
@@ -68,32 +167,79 @@ fn uninstall_leaves_nothing_and_del_still_succeeds() -> Result<()> {
     let st = agent.child.terminate(Duration::from_secs(10))?;
     ensure!(st.success());
 
-    let out = agent_support::uninstall(&env, &d)?;
+    let out = agent_support::uninstall_with(&env, &d, &["--force"])?;
     eprintln!("{out}");
-    ensure!(!env.pin_root().exists(), "pin root left");
-    let left: Vec<u64> = all_links()?.intersection(&links).copied().collect();
-    ensure!(left.is_empty(), "links still exist: {left:?}");
-    let cg = bpftool(&["cgroup", "show", &env.cgroup_path().display().to_string()])?;
     ensure!(
-        cg.as_array().is_none_or(Vec::is_empty),
-        "programs still attached to the cgroup: {cg}"
+        out.contains("--force: 1 enrolled pods left UNCAPTURED"),
+        "{out}"
     );
-    let now: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
-    ensure!(now == original, "conflist not restored: {now}");
-    ensure!(!d.bin.join("sidestep").exists(), "plugin binary left");
-    ensure!(!d.kubeconfig().exists(), "kubeconfig left");
-    let records = std::fs::read_dir(&d.state).map(|r| r.count()).unwrap_or(0);
-    ensure!(records == 0, "{records} state entries left");
-    let conf_files: Vec<_> = std::fs::read_dir(&d.conf)?
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    ensure!(conf_files.len() == 1, "conf dir: {conf_files:?}");
+    ensure_nothing_left(&env, &d, &primary, &original, &links)?;
 
     // The runtime deletes the pod with the config it cached (sidestep still in the chain; the
     // plugin found in the fallback directory): DEL exits 0 through the whole chain.
     node.remove_pod(&pod).context("DEL after uninstall")?;
     Ok(())
+}
+
+#[test]
+fn the_agent_finishes_a_drain_once_the_last_pod_is_gone() -> Result<()> {
+    if skip_unless_root("the_agent_finishes_a_drain_once_the_last_pod_is_gone") {
+        return Ok(());
+    }
+    let env = TestEnv::new("agent-drain-live")?;
+    let d = Dirs::new(&env)?;
+    let primary = d.write_primary("10-test.conflist")?;
+    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
+    // The ConfigMap, as kubelet mounts it: one file per key.
+    let config = env.tmp_dir().join("config");
+    std::fs::create_dir_all(&config)?;
+    std::fs::write(config.join("uninstall-requested"), "false")?;
+    let port = free_port()?;
+    let mut args = base_args(&env, &d, port);
+    args.extend([
+        "--config".to_string(),
+        config.display().to_string(),
+        "--reconcile-interval".into(),
+        "1s".into(),
+    ]);
+    let mut agent = Agent::start(&env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    let node = node_without_fallback(&env, &d)?;
+    let pod = node.add_pod_with("web", meshed())?;
+    let cookie = pod.netns_cookie()?;
+    ensure!(agent_support::enrolled_cookies(&env)? == [cookie]);
+    let links = pinned_links(&env)?;
+
+    std::fs::write(config.join("uninstall-requested"), "true")?;
+    wait_until(
+        "the agent starts the drain",
+        Duration::from_secs(20),
+        || {
+            let (_, body) = agent.get("/readyz")?;
+            Ok(
+                d.entries_in("10-test.conflist")? == 0
+                    && body.contains("draining: 1 enrolled pods"),
+            )
+        },
+    )?;
+    ensure!(
+        agent_support::enrolled_cookies(&env)? == [cookie],
+        "the pod lost its capture"
+    );
+    ensure!(
+        d.bin.join("sidestep").exists(),
+        "plugin binary removed while a pod needs it"
+    );
+
+    node.remove_pod(&pod).context("DEL during the drain")?;
+    wait_until(
+        "the agent finishes the drain after the last pod",
+        Duration::from_secs(20),
+        || Ok(!env.pin_root().exists()),
+    )?;
+    let (_, body) = agent.get("/readyz")?;
+    ensure!(body.contains("uninstalled"), "{body}");
+    ensure_nothing_left(&env, &d, &primary, &original, &links)
 }
 
 #[test]

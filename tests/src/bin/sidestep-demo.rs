@@ -309,10 +309,13 @@ fn run(lines: &mut Vec<Line>) -> Result<Made> {
     capture(&agent, "after every pod's DEL")?;
     drop(node);
 
-    // Stopping the agent leaves capture in place; `sidestep uninstall` removes it all.
+    // Stopping the agent leaves capture in place; `sidestep uninstall` drains, and with every
+    // pod of the demo gone the drain has nothing to wait for: it removes it all. Only the demo's
+    // own netns count as pods (this machine runs others).
     agent.child.terminate(Duration::from_secs(10))?;
     drop(agent);
-    let out = uninstall.run()?;
+    let prefix = format!("sidestep-{}-", env.id());
+    let out = uninstall.run(&["--netns-prefix", &prefix, "--scan-proc", "false"])?;
     print!("\nsidestep uninstall:\n{out}");
     let entries = sidestep_entries(&d.conf.join(PRIMARY))?
         .iter()

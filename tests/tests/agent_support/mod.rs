@@ -386,11 +386,21 @@ pub fn enrolled_cookies(env: &TestEnv) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// `sidestep uninstall` with the agent's settings; returns its stdout.
+/// `sidestep uninstall --force` with the agent's settings, a test's clean-up: everything goes,
+/// whatever pods still run; returns its stdout.
 pub fn uninstall(env: &TestEnv, d: &Dirs) -> Result<String> {
+    uninstall_with(env, d, &["--force"])
+}
+
+/// `sidestep uninstall` with the agent's settings and `extra` flags: a drain without any.
+pub fn uninstall_with(env: &TestEnv, d: &Dirs, extra: &[&str]) -> Result<String> {
     let s = |p: &Path| p.display().to_string();
-    let args = [
+    let mut args = vec![
         "uninstall".to_string(),
+        "--netns-prefix".into(),
+        format!("sidestep-{}-", env.id()),
+        "--scan-proc".into(),
+        "false".into(),
         "--cni-bin-dir".into(),
         s(&d.bin),
         "--cni-conf-dir".into(),
@@ -402,6 +412,7 @@ pub fn uninstall(env: &TestEnv, d: &Dirs) -> Result<String> {
         "--cni-binary".into(),
         s(&cni_bin()),
     ];
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = sidestep_tests::sidestep::sidestep(&argv)?;
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())

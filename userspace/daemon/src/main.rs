@@ -121,12 +121,16 @@ enum Command {
     /// them in place, reconcile pods, serve /healthz, /readyz and /metrics. SIGTERM leaves
     /// everything in place.
     Agent(Box<AgentArgs>),
-    /// Remove what the agent installed: the conflist entry, the plugin binary, the kubeconfig,
-    /// every pin (detaching every program) and the plugin's records. Takes the agent's settings.
+    /// Remove what the agent installed, as a drain: the conflist entry at once (no new pod is
+    /// enrolled); the programs, pins, plugin binary and records once no enrolled pod, and no pod
+    /// from before the drain, is left. Takes the agent's settings.
     Uninstall {
         /// Do nothing unless the setting uninstall-requested is true (for a DaemonSet preStop).
         #[arg(long)]
         if_requested: bool,
+        /// Remove everything now, leaving every enrolled pod uncaptured (the count is printed).
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         settings: Box<AgentArgs>,
     },
@@ -252,13 +256,23 @@ impl PolicyArgs {
     }
 }
 
-fn uninstall(args: &AgentArgs, if_requested: bool, log_level: Option<&str>) -> anyhow::Result<()> {
+fn uninstall(
+    args: &AgentArgs,
+    if_requested: bool,
+    force: bool,
+    log_level: Option<&str>,
+) -> anyhow::Result<()> {
     let settings = Settings::resolve(args, log_level)?;
     if if_requested && !settings.uninstall_requested {
         println!("sidestep uninstall: uninstall-requested is not set; nothing removed");
         return Ok(());
     }
-    print!("{}", agent::uninstall::uninstall(&settings)?);
+    let mode = if force {
+        agent::uninstall::Mode::Force
+    } else {
+        agent::uninstall::Mode::Drain
+    };
+    print!("{}", agent::uninstall::uninstall(&settings, mode)?);
     Ok(())
 }
 
@@ -268,8 +282,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Agent(args) => agent::main(&args, log_level)?,
         Command::Uninstall {
             if_requested,
+            force,
             settings,
-        } => uninstall(&settings, if_requested, log_level)?,
+        } => uninstall(&settings, if_requested, force, log_level)?,
         Command::Load {
             cgroup,
             pin_root,

@@ -135,19 +135,22 @@ pub(super) struct Uninstall {
 }
 
 impl Uninstall {
-    pub(super) fn run(&mut self) -> Result<String> {
+    /// `sidestep uninstall` with `extra` flags after the agent's: a drain without `--force`.
+    pub(super) fn run(&mut self, extra: &[&str]) -> Result<String> {
         self.done = true;
         let mut argv = vec!["uninstall"];
         argv.extend(self.args.iter().map(String::as_str));
+        argv.extend(extra);
         let out = sidestep(&argv)?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 }
 
 impl Drop for Uninstall {
+    /// On the way out of a failed step pods may still run: everything goes anyway.
     fn drop(&mut self) {
         if !self.done
-            && let Err(e) = self.run()
+            && let Err(e) = self.run(&["--force"])
         {
             eprintln!("sidestep uninstall: {e:#}");
         }

@@ -162,17 +162,24 @@ impl Agent {
         // Without a pod map, any enrolment the records name is gone from the kernel; without the
         // listener map, any sk_lookup pod's proxy listener.
         let recreated = reconcile::Recreated::missing(&load.pin_root);
-        let outcome = loader::load(&load)?;
-        sys::failpoint("agent:after-load");
-        tracing::info!(
-            outcome = match outcome {
-                LoadOutcome::Fresh => "loaded",
-                LoadOutcome::Upgraded => "adopted",
-            },
-            cgroup = %cgroup.display(),
-            pin_root = %settings.pin_root.display(),
-            "programs attached"
-        );
+        // An agent started while uninstall-requested is set, after a drain finished, puts
+        // nothing back; one started during a drain adopts what is pinned, as always.
+        let uninstalled = settings.uninstall_requested_now() && !settings.pin_root.exists();
+        if uninstalled {
+            tracing::info!("uninstall requested and nothing is pinned: loading nothing");
+        } else {
+            let outcome = loader::load(&load)?;
+            sys::failpoint("agent:after-load");
+            tracing::info!(
+                outcome = match outcome {
+                    LoadOutcome::Fresh => "loaded",
+                    LoadOutcome::Upgraded => "adopted",
+                },
+                cgroup = %cgroup.display(),
+                pin_root = %settings.pin_root.display(),
+                "programs attached"
+            );
+        }
         let sa = ServiceAccount::plugins_from_env(&settings.cni_service_account_dir)?;
         let kubeconfig = if sa.is_some() {
             settings
@@ -219,9 +226,11 @@ impl Agent {
             pod_watch: podwatch::PodWatch::default(),
             ambient,
         };
-        agent.install_binary()?;
-        sys::failpoint("agent:after-install");
-        agent.refresh_kubeconfig()?;
+        if !uninstalled {
+            agent.install_binary()?;
+            sys::failpoint("agent:after-install");
+            agent.refresh_kubeconfig()?;
+        }
         Ok(agent)
     }
 
@@ -329,10 +338,11 @@ impl Agent {
             }
         }
         if s.uninstall_requested_now() {
-            missing.push(
-                "uninstall-requested is set: the agent restores nothing; unset it to install"
-                    .into(),
-            );
+            let status = lock(&self.report).draining.clone();
+            missing.push(format!(
+                "uninstall-requested is set ({}); unset it to install again",
+                status.as_deref().unwrap_or("draining")
+            ));
         }
         if !s.installed_binary().is_file() {
             missing.push(format!(
@@ -423,16 +433,50 @@ impl Agent {
         lock(&self.network).clone()
     }
 
+    /// One step of the uninstall drain ([`uninstall`]): the conflist entry stays removed, dead
+    /// pods are collected, and everything goes after the last pod that needs it.
+    fn drain(&self) -> Report {
+        let report = self.drain_step();
+        for e in &report.errors {
+            tracing::warn!(error = %e, "uninstall drain");
+        }
+        *lock(&self.report) = report.clone();
+        report
+    }
+
+    fn drain_step(&self) -> Report {
+        match uninstall::uninstall(&self.settings, uninstall::Mode::Drain) {
+            Ok(removed) => {
+                let status = match removed.draining {
+                    Some(d) => d.to_string(),
+                    None => {
+                        if removed.pin_root.is_some() || removed.binary.is_some() {
+                            tracing::info!(%removed, "drain finished: the last pod is gone");
+                        }
+                        "uninstalled: everything sidestep put on this node is removed".into()
+                    }
+                };
+                Report {
+                    draining: Some(status),
+                    ..Report::default()
+                }
+            }
+            Err(e) => Report {
+                draining: Some("draining: the last step failed; retried at the next".into()),
+                errors: vec![format!("uninstall drain: {e}")],
+                ..Report::default()
+            },
+        }
+    }
+
     /// One reconcile; the report is kept for /readyz and /metrics.
     pub fn reconcile(&self) -> Report {
         if self.settings.uninstall_requested_now() {
-            // The preStop uninstall runs while this agent still does: restoring what it
-            // removes would undo it.
-            return Report {
-                errors: vec!["uninstall requested: not restoring or repairing anything".into()],
-                ..Report::default()
-            };
+            // Restoring what the uninstall removes would undo it: the drain runs instead, and
+            // removes everything once the last pod that needs it is gone.
+            return self.drain();
         }
+        uninstall::forget_drain(&self.settings);
         let network = lock(&self.network).clone();
         if let Err(e) = self.install_binary() {
             tracing::warn!(error = %format!("{e:#}"), "reinstalling the CNI plugin");

@@ -37,6 +37,8 @@ pub struct Report {
     pub deleted: Vec<LiveNetns>,
     pub labelled: Vec<LiveNetns>,
     pub errors: Vec<String>,
+    /// While uninstall-requested is set: where the drain stands.
+    pub draining: Option<String>,
 }
 
 /// The network the plugin runs in: (name, cniVersion) for the repair's config.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 
-use super::manifests::{linkerd_pod, plain_pod};
+use super::manifests::{ProxyUid, injected_pod, linkerd_pod, sleep_app};
 use super::*;
 use crate::e2e::install;
 
@@ -250,6 +250,69 @@ pub(super) fn uninstall(node: &Running) -> Result<String> {
             Ok(false)
         },
     )?;
+    // The agent drains: its entry leaves the conflist, the meshed pods keep their capture and
+    // the plugin stays for their DEL.
+    k.poll(
+        "the drain removes the conflist entry",
+        Duration::from_secs(60),
+        |_| {
+            Ok(!super::sidecar::chained_types(node)?
+                .iter()
+                .any(|(_, types)| types.iter().any(|t| t == "sidestep")))
+        },
+    )?;
+    ensure!(
+        !records_of(node, "server")?.is_empty()
+            && PathBuf::from(PIN_ROOT).exists()
+            && node.layout.cni_bin_dir().join("sidestep").exists(),
+        "the drain took the capture of a running pod away (its record, the pins or the plugin)"
+    );
+    // A meshed pod made now is not enrolled.
+    k.apply(
+        &manifests(node),
+        "after",
+        &injected_pod("after", ProxyUid::Default, &sleep_app()),
+    )?;
+    k.wait_pod_ready(MESH, "after", POD_TIMEOUT)?;
+    ensure!(
+        records_of(node, "after")?.is_empty(),
+        "a pod made during the drain was enrolled"
+    );
+    // Every pod from before the drain is deleted (they delete: the plugin is still there), and
+    // the drain then removes everything by itself.
+    let old = pods_with_netns(node)?
+        .into_iter()
+        .filter(|(ns, name)| !(ns == MESH && name == "after"))
+        .collect::<Vec<_>>();
+    for (ns, name) in &old {
+        k.run(&[
+            "delete",
+            "pod",
+            "-n",
+            ns,
+            name,
+            "--wait=true",
+            "--timeout=60s",
+        ])
+        .with_context(|| format!("deleting {ns}/{name}, made before the drain (stuck?)"))?;
+    }
+    let draining = Instant::now();
+    k.poll(
+        "the drain finishes after the last old pod",
+        Duration::from_secs(90),
+        |_| {
+            Ok(!PathBuf::from(PIN_ROOT).exists()
+                && !node.layout.cni_bin_dir().join("sidestep").exists())
+        },
+    )
+    .with_context(|| {
+        format!(
+            "the agent's drain did not finish: {}",
+            k.run(&["get", "pods", "-A", "-o", "wide"])
+                .unwrap_or_default()
+        )
+    })?;
+    let drained_in = draining.elapsed().as_secs_f64();
     // What kubelet did with the agent (PreStop failures show here), for the error.
     let events_file = node.layout.at("logs/sidestep-system-events.log");
     let watcher = std::process::Command::new(&k.bin)
@@ -319,30 +382,43 @@ pub(super) fn uninstall(node: &Running) -> Result<String> {
         left.join(", "),
         fs::read_to_string(&events_file).unwrap_or_default()
     );
-    // A new pod starts, and the pods that were created while the chain named sidestep delete.
-    k.apply(&manifests(node), "after", &plain_pod("after", &sleep_app()))?;
-    k.wait_pod_ready(MESH, "after", POD_TIMEOUT)?;
-    let old = ["server", "early", "plain", "lkd", "gated"];
-    let mut args = vec!["delete", "pod", "-n", MESH, "--wait=true", "--timeout=60s"];
-    args.extend(old);
-    k.run(&args)
-        .context("deleting the pods made before the uninstall (stuck Terminating?)")?;
     k.run(&[
         "delete",
         "pod",
         "-n",
-        "ambient",
-        "amb",
-        "--ignore-not-found",
+        MESH,
+        "after",
         "--wait=true",
         "--timeout=60s",
     ])
-    .context("deleting the ambient pod made before the uninstall (stuck Terminating?)")?;
+    .context("deleting the pod made during the drain")?;
     Ok(format!(
-        "no conflist entry, plugin, kubeconfig, pins, programs or records; pod `after` started; \
-         {} older pods deleted",
-        old.len() + 1
+        "drain: entry removed, `server` still captured, meshed `after` not enrolled; {} older \
+         pods deleted, then everything removed by the agent in {drained_in:.0} s; nothing left \
+         after delete -k",
+        old.len()
     ))
+}
+
+/// Pods with a network namespace of their own (not hostNetwork), outside sidestep's namespace:
+/// (namespace, name).
+fn pods_with_netns(node: &Running) -> Result<Vec<(String, String)>> {
+    let text = node.kubectl.run(&["get", "pods", "-A", "-o", "json"])?;
+    let list: serde_json::Value = serde_json::from_str(&text)?;
+    Ok(list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["spec"]["hostNetwork"] != true)
+        .filter_map(|p| {
+            let m = &p["metadata"];
+            Some((
+                m["namespace"].as_str()?.to_owned(),
+                m["name"].as_str()?.to_owned(),
+            ))
+        })
+        .filter(|(ns, _)| ns != install::NAMESPACE)
+        .collect())
 }
 
 pub(super) fn conflist_text(node: &Running) -> Result<String> {

@@ -141,7 +141,7 @@ pub fn run_all(node: &Running, report: &mut Report) {
         || lifecycle::linkerd_preset(node),
     );
     report.check(
-        "5. uninstall: nothing left; old pods delete, new pods start",
+        "5. uninstall: a drain keeps running pods captured, then nothing is left",
         || lifecycle::uninstall(node),
     );
 }
