@@ -175,6 +175,33 @@ impl ToCniError for ConfigError {
     }
 }
 
+/// `plugin_log_level`, else `log_level`: a level name, or tracing's directives. A bare word that
+/// is neither would make tracing log only a target of that name, silencing the plugin.
+fn log_level(
+    plugin_log_level: Option<String>,
+    log_level: Option<String>,
+) -> Result<Option<String>, ConfigError> {
+    let (name, level) = match (plugin_log_level, log_level) {
+        (Some(l), _) => ("plugin_log_level", l),
+        (None, Some(l)) => ("log_level", l),
+        (None, None) => return Ok(None),
+    };
+    if level.is_empty() {
+        return Ok(None);
+    }
+    if crate::logging::valid_level(&level) {
+        Ok(Some(level))
+    } else {
+        Err(field(
+            name,
+            format!(
+                "{level:?} is not a level (none, error, warn, info, debug, trace, or tracing \
+                 directives such as sidestep_cni=debug)"
+            ),
+        ))
+    }
+}
+
 fn field(field: &str, reason: impl ToString) -> ConfigError {
     ConfigError::Field {
         field: field.into(),
@@ -254,6 +281,55 @@ fn absolute(name: &str, p: Option<PathBuf>, default: &str) -> Result<PathBuf, Co
     Ok(p)
 }
 
+/// Keys of the plugin's own config object: sidestep's, the CNI spec's, and istio-cni's (an entry
+/// swapped from `istio-cni` keeps them). Anything else is named in a warning.
+const KNOWN_FIELDS: &[&str] = &[
+    // sidestep's (see `Raw`)
+    "name",
+    "type",
+    "pin_root",
+    "state_dir",
+    "mesh",
+    "exclude_namespaces",
+    "log_level",
+    "plugin_log_level",
+    "log_file",
+    "kubernetes",
+    "pod_source",
+    "policy",
+    "fail_strategy",
+    "inbound_hook",
+    "decide_only",
+    "expect_netns_cookie",
+    "ambient_enabled",
+    "pod_namespace",
+    "runtimeConfig",
+    "prevResult",
+    "cni.dev/valid-attachments",
+    // the CNI spec's
+    "cniVersion",
+    "cniVersions",
+    "capabilities",
+    "args",
+    "ipam",
+    "dns",
+    "disableCheck",
+    "disableGC",
+    // istio-cni's, accepted and not used
+    "cni_agent_run_dir",
+    "enablement_selectors",
+    "native_nftables",
+    "log_uds_address",
+    "cni_event_address",
+];
+
+fn unknown_fields(obj: &serde_json::Map<String, Value>) -> Vec<String> {
+    obj.keys()
+        .filter(|k| !KNOWN_FIELDS.contains(&k.as_str()))
+        .cloned()
+        .collect()
+}
+
 /// The config's version, when it has a usable one: errors are reported in it.
 pub fn peek_version(stdin: &[u8]) -> Option<CniVersion> {
     let v: Value = serde_json::from_slice(stdin).ok()?;
@@ -298,6 +374,15 @@ impl PluginConfig {
             prev_result: obj.get("prevResult").filter(|v| !v.is_null()).cloned(),
             valid_attachments: take(obj, "cni.dev/valid-attachments")?,
         };
+        let unknown = unknown_fields(obj);
+        if !unknown.is_empty() {
+            // Tolerated, as istio-cni tolerates them, but named: a misspelled field would
+            // otherwise keep its default without a word.
+            tracing::warn!(
+                "unknown config fields ignored (misspelled?): {}",
+                unknown.join(", ")
+            );
+        }
         Self::from_raw(raw, cni_version, command)
     }
 
@@ -392,10 +477,7 @@ impl PluginConfig {
             mesh: raw.mesh.unwrap_or_default(),
             exclude_namespaces,
             agent_namespace: raw.pod_namespace.filter(|n| !n.is_empty()),
-            log_level: raw
-                .plugin_log_level
-                .or(raw.log_level)
-                .filter(|l| !l.is_empty()),
+            log_level: log_level(raw.plugin_log_level, raw.log_level)?,
             log_file: raw
                 .log_file
                 .map(|p| absolute("log_file", Some(p), ""))

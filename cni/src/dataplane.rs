@@ -250,7 +250,7 @@ impl Dataplane for Pinned {
 pub fn enroll_error(e: &EnrollError) -> CniError {
     match e {
         EnrollError::Netns(n) => netns_error(n),
-        EnrollError::Maps(MapsError::NotLoaded(root)) => not_loaded(root),
+        EnrollError::Maps(MapsError::NotLoaded(root)) => not_loaded(root, None),
         EnrollError::Policy(p) => CniError::new(code::INVALID_CONFIG, p.to_string()),
         // The other pod's DEL, or the agent's GC of a dead one, releases the address.
         EnrollError::Maps(owned @ MapsError::AddressOwned { .. }) => CniError::new(
@@ -268,18 +268,28 @@ pub fn netns_error(e: &NetnsError) -> CniError {
     CniError::new(code::INVALID_NETNS, e.to_string())
 }
 
-pub fn not_loaded(pin_root: &Path) -> CniError {
-    CniError::new(
+/// "Not loaded": try again later. `agent_namespace` (the entry's `pod_namespace`, which the
+/// agent writes) says the node runs the agent as a DaemonSet, so the hint points at its pod.
+pub fn not_loaded(pin_root: &Path, agent_namespace: Option<&str>) -> CniError {
+    let error = CniError::new(
         code::TRY_AGAIN_LATER,
         format!(
             "sidestep is not loaded at pin_root {}: the pod cannot be captured yet",
             pin_root.display()
         ),
-    )
-    .details(format!(
-        "start the sidestep agent on this node, or run `sidestep load --cgroup <cgroup2 root> --pin-root {}`",
-        pin_root.display()
-    ))
+    );
+    match agent_namespace {
+        Some(ns) => error.details(format!(
+            "the sidestep agent on this node has not loaded it: see its pod and log \
+             (kubectl -n {ns} get pods -o wide, then kubectl -n {ns} logs <the pod on this \
+             node>); its /readyz says what is missing"
+        )),
+        None => error.details(format!(
+            "start the sidestep agent on this node, or run `sidestep load --cgroup <cgroup2 \
+             root> --pin-root {}`",
+            pin_root.display()
+        )),
+    }
 }
 
 impl ToCniError for EnrollError {

@@ -25,10 +25,23 @@ pub fn peek(stdin: &[u8]) -> (Option<String>, Option<PathBuf>) {
     )
 }
 
-/// Istio's level names, plus anything tracing's filter syntax takes.
+const LEVELS: [&str; 8] = [
+    "none", "off", "error", "warn", "warning", "info", "debug", "trace",
+];
+
+/// Istio's level names, or tracing's directives (`target=level`, comma-separated). A bare word
+/// that is no level would parse as a target name, and log nothing else.
+pub fn valid_level(level: &str) -> bool {
+    let l = level.to_ascii_lowercase();
+    LEVELS.contains(&l.as_str()) || (l.contains('=') && EnvFilter::try_new(&l).is_ok())
+}
+
+/// Istio's level names, plus tracing's directives; anything else logs at info (the config
+/// check then names the field).
 fn filter(level: Option<&str>) -> EnvFilter {
     let level = match level.map(str::to_ascii_lowercase).as_deref() {
         None | Some("") => "info".to_owned(),
+        Some(l) if !valid_level(l) => "info".to_owned(),
         Some("none") => "off".to_owned(),
         Some("warning") => "warn".to_owned(),
         Some(l) => l.to_owned(),
@@ -78,6 +91,12 @@ mod tests {
         assert_eq!(f, Some(PathBuf::from("/tmp/x")));
         assert_eq!(peek(br#"{"log_level":"warn"}"#).0.as_deref(), Some("warn"));
         assert_eq!(peek(b"{"), (None, None));
+        for ok in ["debug", "WARNING", "none", "sidestep_cni=debug,info"] {
+            assert!(valid_level(ok), "{ok}");
+        }
+        for bad in ["verbose", "", "debgu"] {
+            assert!(!valid_level(bad), "{bad}");
+        }
         assert_eq!(peek(br#"{"log_file":"sidestep.log"}"#).1, None);
     }
 

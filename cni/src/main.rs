@@ -6,6 +6,13 @@ use anyhow::Context as _;
 use sidestep_cni::{logging, plugin, spec::CniError, spec::code};
 
 fn main() -> ExitCode {
+    // As the reference plugins do (skel's "about"): run by hand, with no command, say what this
+    // is instead of waiting for a config on stdin.
+    let command = std::env::var("CNI_COMMAND").unwrap_or_default();
+    if command.is_empty() || std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        eprintln!("{}", plugin::about());
+        return ExitCode::SUCCESS;
+    }
     let mut stdin = Vec::new();
     // VERSION needs no input, and a terminal would block it.
     let is_version = std::env::var("CNI_COMMAND").is_ok_and(|c| c == "VERSION");

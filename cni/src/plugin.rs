@@ -137,3 +137,18 @@ fn status(dp: &dyn Dataplane) -> Result<(), CniError> {
     )
     .details("start the sidestep agent on this node, or run `sidestep load`"))
 }
+
+/// What `sidestep-cni` run by hand prints: what it is, and the CNI versions it speaks.
+pub fn about() -> String {
+    let versions: Vec<&str> = crate::spec::SUPPORTED_VERSIONS
+        .iter()
+        .map(|v| v.as_str())
+        .collect();
+    format!(
+        "sidestep-cni {}: chained CNI plugin that captures a meshed pod's traffic to its \
+         sidecar with eBPF (run by the container runtime with CNI_COMMAND set)\nCNI protocol \
+         versions supported: {}",
+        env!("CARGO_PKG_VERSION"),
+        versions.join(", ")
+    )
+}

@@ -521,3 +521,25 @@ fn listen_in(path: &std::path::Path, port: u16) -> Result<std::net::TcpListener>
     .join()
     .map_err(|_| anyhow::anyhow!("listener thread panicked"))?
 }
+
+/// Run by hand, with no command or with `--help`, the plugin says what it is and which CNI
+/// versions it speaks (on stderr, as the reference plugins' skel does), and reads no stdin.
+#[test]
+fn run_by_hand_it_names_itself_and_its_versions() -> Result<()> {
+    for args in [&[][..], &["--help"][..]] {
+        let out = Command::new(sidestep_tests::sidestep::cni_bin())
+            .args(args)
+            .env_clear()
+            .stdin(std::process::Stdio::null())
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        ensure!(out.stdout.is_empty(), "{args:?}: stdout is the protocol's");
+        ensure!(err.starts_with("sidestep-cni "), "{args:?}: {err}");
+        ensure!(
+            err.contains("CNI protocol versions supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0"),
+            "{args:?}: {err}"
+        );
+    }
+    Ok(())
+}

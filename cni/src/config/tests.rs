@@ -254,3 +254,36 @@ fn the_configs_policy_is_held_to_the_pods_map_budget() {
         );
     }
 }
+
+#[test]
+fn a_level_that_is_no_level_is_refused_by_name() {
+    for (key, bad) in [("log_level", "verbose"), ("plugin_log_level", "debgu")] {
+        let mut v = base("1.0.0");
+        v[key] = json!(bad);
+        let e = parse(v, Command::Add).unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains(bad), "{e}");
+    }
+    for good in ["debug", "warning", "none", "sidestep_cni=trace,info"] {
+        let mut v = base("1.0.0");
+        v["log_level"] = json!(good);
+        assert_eq!(
+            parse(v, Command::Add).unwrap().log_level.as_deref(),
+            Some(good)
+        );
+    }
+}
+
+#[test]
+fn unknown_fields_are_named_and_known_ones_are_not() {
+    let mut v = base("1.0.0");
+    v["fail_stratgy"] = json!("FAIL_OPEN");
+    v["native_nftables"] = json!(true);
+    v["ipam"] = json!({});
+    let obj = v.as_object().unwrap();
+    assert_eq!(unknown_fields(obj), ["fail_stratgy"]);
+    // Tolerated: the misspelled field keeps the default, and the warning says so.
+    assert_eq!(
+        parse(v, Command::Add).unwrap().fail_strategy,
+        FailStrategy::Close
+    );
+}

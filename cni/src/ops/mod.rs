@@ -158,7 +158,10 @@ pub(crate) fn require_loaded(ctx: &Ctx<'_>) -> Result<(), CniError> {
     if ctx.dp.is_loaded() {
         Ok(())
     } else {
-        Err(not_loaded(ctx.dp.pin_root()))
+        Err(not_loaded(
+            ctx.dp.pin_root(),
+            ctx.cfg.agent_namespace.as_deref(),
+        ))
     }
 }
 

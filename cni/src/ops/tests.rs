@@ -345,9 +345,23 @@ fn not_loaded_fails_closed_or_open() {
     h.world.loaded.set(false);
     let o = h.run("ADD", "c1", "/run/netns/a", &h.conf(json!({})));
     assert_eq!(err_code(&o), code::TRY_AGAIN_LATER as u64);
-    let msg = o.stdout.unwrap()["msg"].as_str().unwrap().to_owned();
+    let out = o.stdout.unwrap();
+    let msg = out["msg"].as_str().unwrap().to_owned();
     assert!(msg.contains("/sys/fs/bpf/fake"), "{msg}");
+    assert!(out["details"].as_str().unwrap().contains("sidestep load"));
     assert!(h.files().is_empty());
+    // On a cluster (the agent wrote its namespace into the entry) the hint is its pod.
+    let o = h.run(
+        "ADD",
+        "c1",
+        "/run/netns/a",
+        &h.conf(json!({"pod_namespace": "sidestep-system"})),
+    );
+    let details = o.stdout.unwrap()["details"].as_str().unwrap().to_owned();
+    assert!(
+        details.contains("kubectl -n sidestep-system") && !details.contains("sidestep load"),
+        "{details}"
+    );
 
     let conf = h.conf(json!({"fail_strategy": "FAIL_OPEN"}));
     let o = h.run("ADD", "c1", "/run/netns/a", &conf);
