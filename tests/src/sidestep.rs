@@ -76,6 +76,14 @@ pub fn sidestep_bin() -> PathBuf {
 }
 
 /// Runs `sidestep ARGS`; fails with its stderr when it exits non-zero.
+/// `sidestep ARGS`, whatever its exit status.
+pub fn sidestep_unchecked(args: &[&str]) -> Result<Output> {
+    Command::new(sidestep_bin())
+        .args(args)
+        .output()
+        .with_context(|| format!("running {} {args:?}", sidestep_bin().display()))
+}
+
 pub fn sidestep(args: &[&str]) -> Result<Output> {
     let out = Command::new(sidestep_bin())
         .args(args)

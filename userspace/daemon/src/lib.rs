@@ -5,5 +5,6 @@
 
 pub mod addrfollow;
 pub mod agent;
+pub mod check;
 pub mod verdictlog;
 pub mod zds;

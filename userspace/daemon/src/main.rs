@@ -117,6 +117,20 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Whether this node can run sidestep (--pre, before an install) or does (node health):
+    /// kernel, BTF, cgroup2, bpffs, the CNI directories and conflist, then the programs and the
+    /// pod map. Each line ✔ or ✖ with a hint and a link to the docs; exit code 1 when one
+    /// failed. Takes the agent's settings (in the agent's pod: no flags needed).
+    Check {
+        /// Before an install: only what the node must offer.
+        #[arg(long)]
+        pre: bool,
+        /// text, or json (one object: every item, and whether all passed).
+        #[arg(short = 'o', long, value_enum, default_value_t = Output::Text)]
+        output: Output,
+        #[command(flatten)]
+        settings: Box<AgentArgs>,
+    },
     /// The node agent (DaemonSet): load or adopt, install the CNI plugin and its config, keep
     /// them in place, reconcile pods, serve /healthz, /readyz and /metrics. SIGTERM leaves
     /// everything in place.
@@ -134,6 +148,12 @@ enum Command {
         #[command(flatten)]
         settings: Box<AgentArgs>,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Output {
+    Text,
+    Json,
 }
 
 /// Policy flags; each overrides the same field of `--policy FILE`, and both default to Istio's.
@@ -276,10 +296,40 @@ fn uninstall(
     Ok(())
 }
 
+fn check(
+    args: &AgentArgs,
+    pre: bool,
+    output: Output,
+    log_level: Option<&str>,
+) -> anyhow::Result<()> {
+    let settings = Settings::resolve(args, log_level)?;
+    let mode = if pre {
+        sidestep_daemon::check::Mode::Pre
+    } else {
+        sidestep_daemon::check::Mode::Node
+    };
+    let items = sidestep_daemon::check::run(&settings, mode);
+    let passed = sidestep_daemon::check::passed(&items);
+    match output {
+        Output::Text => print!("{}", sidestep_daemon::check::render(&items)),
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"passed": passed, "items": items}))?
+        ),
+    }
+    anyhow::ensure!(passed, "some checks failed");
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let log_level = cli.log_level.as_deref();
     match cli.command {
         Command::Agent(args) => agent::main(&args, log_level)?,
+        Command::Check {
+            pre,
+            output,
+            settings,
+        } => check(&settings, pre, output, log_level)?,
         Command::Uninstall {
             if_requested,
             force,

@@ -97,6 +97,9 @@ pub fn run_all(node: &Running, report: &mut Report) {
         "agent installed: plugin chained into the node's conflist",
         || sidecar::installed(node),
     );
+    report.check("sidestep check in the agent's pod: no line fails", || {
+        sidecar::node_check(node)
+    });
     report.check(
         "cgroup programs on the pod cgroup, none on the cgroup2 root",
         || sidecar::cgroup_attachments(node),

@@ -51,6 +51,50 @@ pub(super) fn installed(node: &Running) -> Result<String> {
         .join("; "))
 }
 
+/// `sidestep check -o json` in the agent's pod, as an operator runs it: no line fails.
+pub(super) fn node_check(node: &Running) -> Result<String> {
+    let k = &node.kubectl;
+    let out = std::process::Command::new(&k.bin)
+        .arg("--kubeconfig")
+        .arg(&k.kubeconfig)
+        .args([
+            "exec",
+            "-n",
+            crate::e2e::install::NAMESPACE,
+            "ds/sidestep-agent",
+            "--",
+            "sidestep",
+            "check",
+            "-o",
+            "json",
+        ])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "sidestep check printed no JSON: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    let items = v["items"].as_array().cloned().unwrap_or_default();
+    let verdicts: Vec<String> = items
+        .iter()
+        .map(|i| {
+            format!(
+                "{} {}",
+                i["id"].as_str().unwrap_or("?"),
+                i["verdict"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    ensure!(
+        out.status.success() && v["passed"] == true && items.len() == 8,
+        "sidestep check in the agent's pod: {}",
+        serde_json::to_string_pretty(&v).unwrap_or_default()
+    );
+    Ok(verdicts.join(", "))
+}
+
 /// sidestep's programs (named sidestep_*) on kubelet's pod cgroup and on the machine's cgroup2
 /// root.
 pub(super) fn sidestep_programs(node: &Running) -> Result<(usize, usize)> {
