@@ -1,6 +1,7 @@
-//! `sidestep check` on a node the agent runs: every line ✔ and exit 0; then each fault an operator
-//! meets turns its own line ✖ and the exit code 1: a conflist the runtime cannot read, a competing
-//! istio-cni entry, the agent's entry gone, and a pin root off bpffs. Needs root.
+//! `sidestep check` and `sidestep status` on a node the agent runs. `check`: every line passes
+//! and the exit code is 0; then each fault an operator meets turns its own line ✖ and the exit
+//! code 1: a conflist the runtime cannot read, a competing istio-cni entry, and a pin root off
+//! bpffs. `status`: pods by `namespace/name`, and `--pod`. Needs root.
 
 mod agent_support;
 
@@ -90,5 +91,43 @@ fn each_fault_fails_its_own_line() -> Result<()> {
     // Before an install only what the node offers counts, and that passes.
     let (items, ok) = check(&args, &["--pre"])?;
     ensure!(ok && items.len() == 6, "--pre: {items:?}");
+    Ok(())
+}
+
+/// `sidestep status` names each pod by its record (`namespace/name`), and `--pod` keeps one, or
+/// fails listing the names there are.
+#[test]
+fn status_names_pods_and_picks_one() -> Result<()> {
+    if skip_unless_root("status_names_pods_and_picks_one") {
+        return Ok(());
+    }
+    let env = TestEnv::new("status-pods")?;
+    let d = Dirs::new(&env)?;
+    let (_agent, node) = d.ready_agent_and_node(&env)?;
+    let _pod = node.add_pod_with("web", agent_support::meshed())?;
+    let pin_root = env.pin_root().display().to_string();
+    let state_dir = d.state.display().to_string();
+    let status = |extra: &[&str]| {
+        let mut argv = vec!["status", "--pin-root", &pin_root, "--state-dir", &state_dir];
+        argv.extend(extra);
+        sidestep_tests::sidestep::sidestep_unchecked(&argv)
+    };
+    let out = status(&["-o", "json", "--pod", "shop/web"])?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout)?;
+    let pods = v["pods"].as_array().cloned().unwrap_or_default();
+    ensure!(pods.len() == 1 && pods[0]["pod"] == "shop/web", "{v}");
+    let text = String::from_utf8_lossy(&status(&[])?.stdout).into_owned();
+    ensure!(text.contains("  shop/web\n"), "{text}");
+    let out = status(&["--pod", "shop/nope"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && err.contains("no enrolled pod shop/nope; enrolled: shop/web"),
+        "{err}"
+    );
     Ok(())
 }

@@ -90,6 +90,12 @@ pub struct Attachment {
 #[derive(Debug, Serialize)]
 pub struct PodStatus {
     pub netns_cookie: u64,
+    /// The pod the plugin's record names (`namespace/name`, or the name alone where the runtime
+    /// gave no namespace); `None` for a netns enrolled by hand, or without a state directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
     /// Where inbound capture hooks in: `tc`, `sk_lookup`, or `off`.
     pub inbound_hook: &'static str,
     /// Interfaces carrying the inbound tc program.
@@ -282,6 +288,8 @@ pub fn collect(pin_root: &Path) -> Status {
                 .into_iter()
                 .map(|(cookie, policy)| PodStatus {
                     netns_cookie: cookie,
+                    pod: None,
+                    container_id: None,
                     inbound_hook: if policy.flags & flags::INBOUND == 0 {
                         "off"
                     } else if policy.flags & flags::INBOUND_SK_LOOKUP != 0 {
@@ -410,6 +418,9 @@ impl Status {
                     .collect::<Vec<_>>()
                     .join(",")
             };
+            if let Some(name) = &pod.pod {
+                let _ = writeln!(out, "  {name}");
+            }
             let _ = writeln!(
                 out,
                 "  netns {:<8} {inbound}{rerouted}  {proxy}  ports out {} in {} dns {}  source {source}  [{}]",
@@ -435,6 +446,49 @@ impl Status {
         }
         out
     }
+}
+
+/// Names each pod by the plugin's record of its netns cookie (`namespace/name`).
+pub fn name_pods(status: &mut Status, state_dir: &std::path::Path) {
+    let records = crate::statedir::StateDir::new(state_dir).summaries();
+    for pod in &mut status.pods {
+        // One netns, several attachments: any record names the same pod.
+        if let Some(r) = records
+            .values()
+            .find(|r| r.netns_cookie == pod.netns_cookie)
+        {
+            pod.pod = r.pod_name.as_ref().map(|name| match &r.pod_namespace {
+                Some(ns) => format!("{ns}/{name}"),
+                None => name.clone(),
+            });
+            pod.container_id = Some(r.container_id.clone());
+        }
+    }
+}
+
+/// `--pod` named no enrolled pod.
+#[derive(Debug, thiserror::Error)]
+#[error("no enrolled pod {wanted}; enrolled: {enrolled}")]
+pub struct NoSuchPod {
+    pub wanted: String,
+    pub enrolled: String,
+}
+
+/// Keeps only the pod named `wanted` (`namespace/name`); the error lists the names there are.
+pub fn only_pod(status: &mut Status, wanted: &str) -> Result<(), NoSuchPod> {
+    let names: Vec<String> = status.pods.iter().filter_map(|p| p.pod.clone()).collect();
+    status.pods.retain(|p| p.pod.as_deref() == Some(wanted));
+    if status.pods.is_empty() {
+        return Err(NoSuchPod {
+            wanted: wanted.to_owned(),
+            enrolled: if names.is_empty() {
+                "none with a name".to_owned()
+            } else {
+                names.join(", ")
+            },
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

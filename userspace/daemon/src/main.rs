@@ -33,6 +33,7 @@ enum Command {
         /// cgroup2 directory to attach at (the cgroup2 root on a node).
         #[arg(long)]
         cgroup: Option<PathBuf>,
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
         /// Capacity of the pod map (only when the maps are first created).
@@ -45,11 +46,13 @@ enum Command {
     },
     /// Detach every program and remove every pin.
     Unload {
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
     },
     /// Enrol a pod network namespace.
     Enroll {
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
         /// The pod's netns, e.g. /run/netns/NAME or /proc/PID/ns/net.
@@ -63,8 +66,10 @@ enum Command {
     },
     /// Remove a pod network namespace from the data path.
     Unenroll {
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
+        /// The pod's netns, e.g. /run/netns/NAME or /proc/PID/ns/net.
         #[arg(long)]
         netns: PathBuf,
     },
@@ -73,6 +78,7 @@ enum Command {
     /// connections leave from the address REDIRECT would give; runs until SIGTERM. The agent does
     /// this for every pod the CNI plugin enrolled; this is for netns enrolled by hand.
     FollowAddresses {
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
         /// An enrolled netns to follow (repeatable).
@@ -86,6 +92,7 @@ enum Command {
     /// whose log is on (--follow, until interrupted). The annotation `sidestep.io/debug: "true"`
     /// is the lasting form for Kubernetes pods; the agent forwards their lines to its log.
     Debug {
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
         /// An enrolled netns whose log to turn on.
@@ -112,10 +119,21 @@ enum Command {
     },
     /// Show programs, attachments, enrolled pods and counters.
     Status {
+        /// Where the programs and maps are pinned.
         #[arg(long, default_value = DEFAULT_PIN_ROOT)]
         pin_root: PathBuf,
+        /// The plugin's state directory: its records name each pod (`namespace/name`).
+        #[arg(long, default_value = "/var/run/sidestep/cni")]
+        state_dir: PathBuf,
+        /// Only this pod (`namespace/name`).
+        #[arg(long)]
+        pod: Option<String>,
+        /// JSON instead of text (the same as `-o json`).
         #[arg(long)]
         json: bool,
+        /// text, or json.
+        #[arg(short = 'o', long, value_enum, default_value_t = Output::Text)]
+        output: Output,
     },
     /// Whether this node can run sidestep (--pre, before an install) or does (node health):
     /// kernel, BTF, cgroup2, bpffs, the CNI directories and conflist, then the programs and the
@@ -162,14 +180,19 @@ struct PolicyArgs {
     /// JSON policy file (camelCase fields, Istio-style lists).
     #[arg(long)]
     policy: Option<PathBuf>,
+    /// The proxy's UID: its outbound traffic is never captured [default: 1337].
     #[arg(long)]
     proxy_uid: Option<u32>,
+    /// The proxy's GID: its outbound traffic is never captured [default: 1337].
     #[arg(long)]
     proxy_gid: Option<u32>,
+    /// The proxy's outbound listener (loopback) [default: 15001].
     #[arg(long)]
     outbound_port: Option<u16>,
+    /// The proxy's inbound listener [default: 15006].
     #[arg(long)]
     inbound_port: Option<u16>,
+    /// The DNS listener captured DNS goes to, with --dns-capture [default: 15053].
     #[arg(long)]
     dns_port: Option<u16>,
     /// REDIRECT or TPROXY.
@@ -178,17 +201,22 @@ struct PolicyArgs {
     /// Comma-separated CIDRs, or `*`.
     #[arg(long)]
     include_outbound_ip_ranges: Option<String>,
+    /// Comma-separated CIDRs never captured outbound.
     #[arg(long)]
     exclude_outbound_ip_ranges: Option<String>,
+    /// Comma-separated ports captured outbound even to excluded ranges.
     #[arg(long)]
     include_outbound_ports: Option<String>,
+    /// Comma-separated ports never captured outbound.
     #[arg(long)]
     exclude_outbound_ports: Option<String>,
     /// Comma-separated ports, or `*`.
     #[arg(long)]
     include_inbound_ports: Option<String>,
+    /// Comma-separated ports never captured inbound.
     #[arg(long)]
     exclude_inbound_ports: Option<String>,
+    /// Capture the pod's DNS (port 53) to the DNS listener, as Istio's DNS capture does.
     #[arg(long)]
     dns_capture: bool,
     /// Leave IPv6 outbound uncaptured (istio-iptables' behaviour for pods without IPv6).
@@ -439,7 +467,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Status { pin_root, json } => {
+        Command::Status {
+            pin_root,
+            state_dir,
+            pod,
+            json,
+            output,
+        } => {
             // The pins are root-only: without access every pin would look absent, and "not
             // loaded" would be a lie.
             if let Err(e) = std::fs::read_dir(&pin_root)
@@ -450,8 +484,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     pin_root.display()
                 );
             }
-            let s = status::collect(&pin_root);
-            if json {
+            let mut s = status::collect(&pin_root);
+            status::name_pods(&mut s, &state_dir);
+            if let Some(wanted) = &pod {
+                status::only_pod(&mut s, wanted)?;
+            }
+            if json || output == Output::Json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
             } else {
                 print!("{}", s.render());
@@ -568,5 +606,29 @@ fn main() -> ExitCode {
             eprintln!("sidestep: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::Cli;
+
+    /// Every flag of every subcommand says what it does in `--help`.
+    #[test]
+    fn every_flag_has_help() {
+        let mut missing = Vec::new();
+        let cli = Cli::command();
+        let mut commands = vec![cli.clone()];
+        commands.extend(cli.get_subcommands().cloned());
+        for c in &commands {
+            for a in c.get_arguments() {
+                if a.get_help().is_none() && !matches!(a.get_id().as_str(), "help" | "version") {
+                    missing.push(format!("{} --{}", c.get_name(), a.get_id()));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
     }
 }

@@ -56,6 +56,7 @@ pub struct AgentArgs {
     /// the agent's own token [default: /var/run/secrets/sidestep-cni].
     #[arg(long, env = "SIDESTEP_CNI_SERVICE_ACCOUNT_DIR")]
     pub cni_service_account_dir: Option<String>,
+    /// Where the programs and maps are pinned, on the host's bpffs [default: /sys/fs/bpf/sidestep].
     #[arg(long, env = "SIDESTEP_PIN_ROOT")]
     pub pin_root: Option<String>,
     /// The cgroup2 directory to attach at [default: the node's cgroup2 root, from mountinfo;
