@@ -235,6 +235,46 @@ pub fn check_mount_propagates(mounts: &[Mount], target: &Path) -> Result<(), Mou
     })
 }
 
+/// Whether an existing bpffs is the host's, as far as this process can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostBpffs {
+    /// This is the host's mount namespace, or the mount receives the host's (shared, or a slave
+    /// of it: a hostPath volume with `HostToContainer` or `Bidirectional` propagation).
+    Yes,
+    /// A private mount: it may be this container's own bpffs, whose pins die with it.
+    Private(PathBuf),
+    /// Whether this is the host's mount namespace cannot be read (`/proc/1/ns/mnt`).
+    Unknown,
+}
+
+/// Whether the bpffs that `path` lies on (it must exist) is the host's: pins made there outlive
+/// this process's container. A mount that only receives the host's (a slave) shows the host's
+/// filesystem, so its pins are the host's too; a bpffs mounted *from* it would not be
+/// ([`check_mount_is_the_hosts`] asks that).
+pub fn bpffs_is_the_hosts(path: &Path) -> Result<HostBpffs, MountError> {
+    if in_host_mount_namespace() {
+        return Ok(HostBpffs::Yes);
+    }
+    if fs::metadata("/proc/1/ns/mnt").is_err() {
+        return Ok(HostBpffs::Unknown);
+    }
+    let mounts = mounts()?;
+    let covered = |m: &Mount| {
+        mounts
+            .iter()
+            .any(|n| n.parent == m.id && n.mount_point == m.mount_point)
+    };
+    let under = mounts
+        .iter()
+        .filter(|m| path.starts_with(&m.mount_point) && !covered(m))
+        .max_by_key(|m| m.mount_point.components().count());
+    Ok(match under {
+        Some(m) if m.shared || m.slave => HostBpffs::Yes,
+        Some(m) => HostBpffs::Private(m.mount_point.clone()),
+        None => HostBpffs::Private(path.to_path_buf()),
+    })
+}
+
 pub fn is_bpffs(path: &Path) -> bool {
     const BPF_FS_MAGIC: i64 = 0xcafe4a11;
     nix::sys::statfs::statfs(path)

@@ -199,31 +199,39 @@ pub fn bpffs(pin_root: &Path) -> Item {
              Bidirectional (deploy/daemonset.yaml)"
                 .into(),
         ))
-    } else if std::fs::metadata("/proc/1/ns/mnt").is_err() {
-        // Whether this is the host's mount namespace cannot be read (hardened /proc): say so
-        // rather than guess either way.
-        return Item {
-            id: "bpffs",
-            verdict: Verdict::Warn,
-            line: format!(
-                "{} is a bpffs; whether it is the host's cannot be told (/proc/1/ns/mnt is not \
-                 readable)",
-                dir.display()
-            ),
-            hint: Some(
-                "in a container, the mount must have mountPropagation: Bidirectional".into(),
-            ),
-            doc: DOC_BPFFS,
-        };
     } else {
-        mounts::check_mount_is_the_hosts(&dir)
-            .map(|()| format!("{} is the host's bpffs", dir.display()))
-            .map_err(|e| {
-                (
-                    e.to_string(),
-                    "pins on a private bpffs die with the agent's container".into(),
-                )
-            })
+        match mounts::bpffs_is_the_hosts(&dir) {
+            Ok(mounts::HostBpffs::Yes) => Ok(format!("{} is the host's bpffs", dir.display())),
+            Ok(mounts::HostBpffs::Private(m)) => Err((
+                format!(
+                    "{} lies on a private mount ({}): it may be this container's own bpffs",
+                    dir.display(),
+                    m.display()
+                ),
+                "pins on a bpffs of the container's own die with it: mount the host's \
+                 /sys/fs/bpf with mountPropagation HostToContainer or Bidirectional"
+                    .into(),
+            )),
+            // Hardened /proc: say so rather than guess either way.
+            Ok(mounts::HostBpffs::Unknown) => {
+                return Item {
+                    id: "bpffs",
+                    verdict: Verdict::Warn,
+                    line: format!(
+                        "{} is a bpffs; whether it is the host's cannot be told (/proc/1/ns/mnt \
+                         is not readable)",
+                        dir.display()
+                    ),
+                    hint: Some(
+                        "in a container, mount the host's /sys/fs/bpf with mountPropagation \
+                         HostToContainer or Bidirectional"
+                            .into(),
+                    ),
+                    doc: DOC_BPFFS,
+                };
+            }
+            Err(e) => Err((e.to_string(), String::new())),
+        }
     };
     Item::new("bpffs", DOC_BPFFS, result)
 }
