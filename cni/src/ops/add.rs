@@ -442,3 +442,52 @@ fn restore(state: &StateDir, previous: Option<&Record>, cid: &str, ifname: &str,
         tracing::error!("{who}: restoring the state record after a failed ADD: {e}");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> std::net::IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// The plan's pod IPs: prevResult's or the pod status's first, the netns's only without.
+    #[test]
+    fn the_plan_takes_known_pod_ips_before_the_netns() {
+        let known = vec![ip("10.0.0.7")];
+        let netns = vec![ip("10.0.0.9")];
+        assert_eq!(pod_ips(known.clone(), netns.clone(), "t"), known);
+        assert_eq!(pod_ips(Vec::new(), netns.clone(), "t"), netns);
+        assert!(pod_ips(Vec::new(), Vec::new(), "t").is_empty());
+    }
+
+    /// The plan's inbound hook from the facts alone: sk_lookup, but tc where a listener is
+    /// there already (or cannot be ruled out), and the hook another attachment enrolled with.
+    #[test]
+    fn the_plan_picks_the_inbound_hook_from_the_facts() {
+        let policy = Policy::default();
+        let hook = |enrolled_hook, listening| {
+            let mut facts = Facts {
+                enrolled_hook,
+                listening,
+                ..Facts::default()
+            };
+            inbound_hook(InboundHook::SkLookup, &policy, &mut facts, "t")
+        };
+        assert_eq!(hook(None, Some(Ok(false))), InboundHook::SkLookup);
+        assert_eq!(hook(None, Some(Ok(true))), InboundHook::Tc);
+        let unreadable = sidestep::error::NetnsError::NotNetns("/x".into());
+        assert_eq!(hook(None, Some(Err(unreadable))), InboundHook::Tc);
+        assert_eq!(hook(Some(InboundHook::Tc), None), InboundHook::Tc);
+        assert_eq!(
+            hook(Some(InboundHook::SkLookup), None),
+            InboundHook::SkLookup
+        );
+        // Configured tc stays tc, whatever the facts.
+        let mut facts = Facts::default();
+        assert_eq!(
+            inbound_hook(InboundHook::Tc, &policy, &mut facts, "t"),
+            InboundHook::Tc
+        );
+    }
+}
