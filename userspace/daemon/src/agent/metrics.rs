@@ -79,6 +79,11 @@ struct PodLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ProgLabels {
     program: String,
 }
@@ -252,6 +257,19 @@ pub fn render(
     walks: u64,
 ) -> String {
     let mut reg = Registry::default();
+    // The agent's build, as a label on a constant 1 (Prometheus' info-metric convention), so
+    // that alerts and dashboards can tell a rollout's two versions apart.
+    let build = Family::<BuildLabels, Gauge>::default();
+    build
+        .get_or_create(&BuildLabels {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        })
+        .set(1);
+    reg.register(
+        "sidestep_build_info",
+        "The agent's version (always 1)",
+        build,
+    );
     gauge(
         &mut reg,
         "sidestep_ready",
@@ -466,6 +484,11 @@ mod tests {
                 "{name}:\n{out}"
             );
         }
+        let build = format!(
+            "sidestep_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(out.contains(&build), "{build}:\n{out}");
         let line = out
             .lines()
             .find(|l| l.starts_with("sidestep_pod_sk_msg_redirects_total{"))
