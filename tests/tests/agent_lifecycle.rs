@@ -6,7 +6,11 @@
 
 mod agent_support;
 
-use std::{collections::BTreeSet, path::Path, time::Duration};
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use agent_support::{
     APP_UID, Agent, Dirs, PodApi, api_pod, base_args, free_port, meshed, wait_until,
@@ -91,6 +95,19 @@ fn node_without_fallback(env: &TestEnv, d: &Dirs) -> Result<Node> {
     )
 }
 
+/// A primary network, the agent on it (with `extra` arguments) ready; the conflist's path and its
+/// content before the agent chained into it.
+fn agent_for_uninstall(env: &TestEnv, d: &Dirs, extra: &[&str]) -> Result<(Agent, PathBuf, Value)> {
+    let primary = d.write_primary("10-test.conflist")?;
+    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
+    let port = free_port()?;
+    let mut args = base_args(env, d, port);
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let mut agent = Agent::start(env, &args, port)?;
+    agent.wait_ready(Duration::from_secs(30))?;
+    Ok((agent, primary, original))
+}
+
 #[test]
 fn uninstall_drains_until_the_last_pod_is_gone() -> Result<()> {
     if skip_unless_root("uninstall_drains_until_the_last_pod_is_gone") {
@@ -98,11 +115,7 @@ fn uninstall_drains_until_the_last_pod_is_gone() -> Result<()> {
     }
     let env = TestEnv::new("agent-drain")?;
     let d = Dirs::new(&env)?;
-    let primary = d.write_primary("10-test.conflist")?;
-    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
-    let port = free_port()?;
-    let mut agent = Agent::start(&env, &base_args(&env, &d, port), port)?;
-    agent.wait_ready(Duration::from_secs(30))?;
+    let (mut agent, primary, original) = agent_for_uninstall(&env, &d, &[])?;
     let node = node_without_fallback(&env, &d)?;
     let pod = node.add_pod_with("web", meshed())?;
     let cookie = pod.netns_cookie()?;
@@ -152,11 +165,7 @@ fn uninstall_force_removes_everything_and_counts_the_pods_it_leaves() -> Result<
     }
     let env = TestEnv::new("agent-uninstall")?;
     let d = Dirs::new(&env)?;
-    let primary = d.write_primary("10-test.conflist")?;
-    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
-    let port = free_port()?;
-    let mut agent = Agent::start(&env, &base_args(&env, &d, port), port)?;
-    agent.wait_ready(Duration::from_secs(30))?;
+    let (mut agent, primary, original) = agent_for_uninstall(&env, &d, &[])?;
     let node = d.node(&env, "10-test.conflist")?;
     let pod = node.add_pod_with("web", meshed())?;
     ensure!(agent_support::enrolled_cookies(&env)? == [pod.netns_cookie()?]);
@@ -188,22 +197,16 @@ fn the_agent_finishes_a_drain_once_the_last_pod_is_gone() -> Result<()> {
     }
     let env = TestEnv::new("agent-drain-live")?;
     let d = Dirs::new(&env)?;
-    let primary = d.write_primary("10-test.conflist")?;
-    let original: Value = serde_json::from_slice(&std::fs::read(&primary)?)?;
     // The ConfigMap, as kubelet mounts it: one file per key.
     let config = env.tmp_dir().join("config");
     std::fs::create_dir_all(&config)?;
     std::fs::write(config.join("uninstall-requested"), "false")?;
-    let port = free_port()?;
-    let mut args = base_args(&env, &d, port);
-    args.extend([
-        "--config".to_string(),
-        config.display().to_string(),
-        "--reconcile-interval".into(),
-        "1s".into(),
-    ]);
-    let mut agent = Agent::start(&env, &args, port)?;
-    agent.wait_ready(Duration::from_secs(30))?;
+    let config_arg = config.display().to_string();
+    let (agent, primary, original) = agent_for_uninstall(
+        &env,
+        &d,
+        &["--config", &config_arg, "--reconcile-interval", "1s"],
+    )?;
     let node = node_without_fallback(&env, &d)?;
     let pod = node.add_pod_with("web", meshed())?;
     let cookie = pod.netns_cookie()?;
