@@ -213,15 +213,7 @@ fn in_host_mount_namespace() -> bool {
 
 /// Rule 2 of [`check_mount_is_the_hosts`], on mountinfo already read.
 pub fn check_mount_propagates(mounts: &[Mount], target: &Path) -> Result<(), MountError> {
-    let covered = |m: &Mount| {
-        mounts
-            .iter()
-            .any(|n| n.parent == m.id && n.mount_point == m.mount_point)
-    };
-    let under = mounts
-        .iter()
-        .filter(|m| target.starts_with(&m.mount_point) && !covered(m))
-        .max_by_key(|m| m.mount_point.components().count());
+    let under = mount_under(mounts, target);
     let propagation = match under {
         Some(m) if m.shared => return Ok(()),
         Some(m) if m.slave => "slave, as with mountPropagation: HostToContainer",
@@ -233,6 +225,19 @@ pub fn check_mount_propagates(mounts: &[Mount], target: &Path) -> Result<(), Mou
         mount_point: under.map(|m| m.mount_point.clone()).unwrap_or_default(),
         propagation,
     })
+}
+
+/// The mount `target` lies on: the deepest mount point above it that no later mount covers.
+fn mount_under<'a>(mounts: &'a [Mount], target: &Path) -> Option<&'a Mount> {
+    let covered = |m: &Mount| {
+        mounts
+            .iter()
+            .any(|n| n.parent == m.id && n.mount_point == m.mount_point)
+    };
+    mounts
+        .iter()
+        .filter(|m| target.starts_with(&m.mount_point) && !covered(m))
+        .max_by_key(|m| m.mount_point.components().count())
 }
 
 /// Whether an existing bpffs is the host's, as far as this process can tell.
@@ -259,16 +264,7 @@ pub fn bpffs_is_the_hosts(path: &Path) -> Result<HostBpffs, MountError> {
         return Ok(HostBpffs::Unknown);
     }
     let mounts = mounts()?;
-    let covered = |m: &Mount| {
-        mounts
-            .iter()
-            .any(|n| n.parent == m.id && n.mount_point == m.mount_point)
-    };
-    let under = mounts
-        .iter()
-        .filter(|m| path.starts_with(&m.mount_point) && !covered(m))
-        .max_by_key(|m| m.mount_point.components().count());
-    Ok(match under {
+    Ok(match mount_under(&mounts, path) {
         Some(m) if m.shared || m.slave => HostBpffs::Yes,
         Some(m) => HostBpffs::Private(m.mount_point.clone()),
         None => HostBpffs::Private(path.to_path_buf()),

@@ -170,21 +170,29 @@ impl StateDir {
         // once): a writer killed before its rename leaves a file the next write reuses.
         let tmp = Self::tmp_path(path);
         let body = serde_json::to_vec_pretty(value).map_err(|e| werr(io::Error::other(e)))?;
+        Self::replace(path, &tmp, &body, Some("state:before-rename")).map_err(werr)
+    }
+
+    /// Writes `body` to `tmp` (root-only) and renames it over `path`, so a reader sees the old
+    /// file or the new one; `tmp` goes when any step fails. `failpoint` sits before the rename.
+    fn replace(path: &Path, tmp: &Path, body: &[u8], failpoint: Option<&str>) -> io::Result<()> {
         let result = (|| {
             let mut f = OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&body)?;
-            crate::sys::failpoint("state:before-rename");
-            fs::rename(&tmp, path)
+                .open(tmp)?;
+            f.write_all(body)?;
+            if let Some(point) = failpoint {
+                crate::sys::failpoint(point);
+            }
+            fs::rename(tmp, path)
         })();
         if result.is_err() {
-            let _ = fs::remove_file(&tmp);
+            let _ = fs::remove_file(tmp);
         }
-        result.map_err(werr)
+        result
     }
 
     fn read_json<T: DeserializeOwned>(path: &Path) -> Result<Option<T>, StateError> {
@@ -418,20 +426,9 @@ impl StateDir {
             std::process::id()
         ));
         let body = serde_json::to_vec_pretty(&now).map_err(|e| werr(io::Error::other(e)))?;
-        let result = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&body)?;
-            fs::rename(&tmp, path)
-        })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        result.map(|()| true).map_err(werr)
+        Self::replace(path, &tmp, &body, None)
+            .map(|()| true)
+            .map_err(werr)
     }
 
     /// `sidestep uninstall`: every record, marker, temporary file, the timings and the index,

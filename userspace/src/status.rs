@@ -268,6 +268,20 @@ pub fn cgroup_links(layout: &PinLayout) -> Vec<(&'static str, sys::LinkInfo)> {
         .collect()
 }
 
+/// The cgroup hooks whose pinned link is missing or no longer attached to a cgroup.
+pub fn detached_cgroup_links(layout: &PinLayout) -> Vec<&'static str> {
+    let attached: Vec<&str> = cgroup_links(layout)
+        .into_iter()
+        .filter(|(_, info)| info.cgroup_id != 0)
+        .map(|(attach_point, _)| attach_point)
+        .collect();
+    CGROUP_PROGRAMS
+        .iter()
+        .map(|p| p.attach_point)
+        .filter(|a| !attached.contains(a))
+        .collect()
+}
+
 pub fn collect(pin_root: &Path) -> Status {
     let layout = PinLayout::new(pin_root);
     let programs = programs(&layout);

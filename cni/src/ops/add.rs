@@ -68,7 +68,7 @@ pub fn add(ctx: &Ctx<'_>) -> Result<Value, CniError> {
         Decided::Enrol(e) => e,
         Decided::Done(done) => return done.map(|()| output),
     };
-    let attempt = Attempt::new(ctx, &target, &to_enrol);
+    let attempt = Attempt::new(ctx, &to_enrol);
     let fail = |error: CniError| attempt.uncaptured(error).map(|()| output.clone());
     let (plan, facts) = plan(ctx, &target, *to_enrol, &attempt.who);
     if let Err(e) = require_loaded(ctx) {
@@ -221,7 +221,7 @@ struct Attempt<'c, 'a> {
 }
 
 impl<'c, 'a> Attempt<'c, 'a> {
-    fn new(ctx: &'c Ctx<'a>, _target: &Target<'_>, to_enrol: &ToEnrol) -> Self {
+    fn new(ctx: &'c Ctx<'a>, to_enrol: &ToEnrol) -> Self {
         let (cid, _) = ctx.env.attachment();
         Self {
             ctx,

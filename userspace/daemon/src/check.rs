@@ -4,15 +4,12 @@
 //! docs; the command's exit code is 0 only when no item failed. It runs on a node with the
 //! agent's settings, or in the agent's pod (`kubectl exec ds/sidestep-agent -- sidestep check`).
 
-use std::{
-    os::fd::AsFd as _,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde_json::Value;
 use sidestep::{
-    features, loader, maps::PolicyMaps, mounts, pins::PinLayout, programs::CGROUP_PROGRAMS, sys,
+    features, loader, maps::PolicyMaps, mounts, pins::PinLayout, programs::CGROUP_PROGRAMS, status,
 };
 
 use crate::agent::{conflist, settings::Settings};
@@ -342,15 +339,7 @@ pub fn conflist(
 fn programs(pin_root: &Path) -> Item {
     let layout = PinLayout::new(pin_root);
     let lost = loader::missing_pins(&layout);
-    let detached: Vec<&str> = CGROUP_PROGRAMS
-        .iter()
-        .filter(|p| {
-            !sys::obj_get(&layout.cgroup_link(p.attach_point))
-                .and_then(|fd| sys::link_info(fd.as_fd()))
-                .is_ok_and(|i| i.cgroup_id != 0)
-        })
-        .map(|p| p.attach_point)
-        .collect();
+    let detached = status::detached_cgroup_links(&layout);
     let result = if !layout.is_loaded() {
         Err((
             format!("nothing loaded at {}", pin_root.display()),

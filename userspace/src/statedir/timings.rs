@@ -132,12 +132,11 @@ impl Tail {
     /// The complete lines the plugin appended since the last poll. Never fails: a missing or
     /// unreadable file is simply read later.
     pub fn poll(&mut self, state_dir: &Path) -> Vec<String> {
-        let t = self;
         let mut out = Vec::new();
         let path: PathBuf = state_dir.join(FILE_NAME);
         let rotated = state_dir.join(ROTATED_NAME);
-        if !t.started {
-            t.started = true;
+        if !self.started {
+            self.started = true;
             // The plugin writes only into an existing state directory (so that nothing comes
             // back after an uninstall); the agent makes sure it exists from the start.
             if !state_dir.exists()
@@ -152,22 +151,22 @@ impl Tail {
                 out.extend(r.lines());
             }
         }
-        for (mut r, left) in std::mem::take(&mut t.draining) {
+        for (mut r, left) in std::mem::take(&mut self.draining) {
             out.extend(r.lines());
             if left > 1 {
-                t.draining.push((r, left - 1));
+                self.draining.push((r, left - 1));
             }
         }
         // Someone else moved or removed the file (an uninstall, or another agent): start over
         // on the new one after reading what the old one still holds.
         let on_disk = fs::metadata(&path).ok().map(|m| m.ino());
-        if let Some(r) = t.current.take_if(|r| on_disk != Some(r.inode)) {
-            t.draining.push((r, DRAIN_POLLS));
+        if let Some(r) = self.current.take_if(|r| on_disk != Some(r.inode)) {
+            self.draining.push((r, DRAIN_POLLS));
         }
-        if t.current.is_none() {
-            t.current = Reader::open(&path);
+        if self.current.is_none() {
+            self.current = Reader::open(&path);
         }
-        let Some(r) = t.current.as_mut() else {
+        let Some(r) = self.current.as_mut() else {
             return out;
         };
         out.extend(r.lines());
@@ -175,8 +174,8 @@ impl Tail {
         if size >= ROTATE_AT {
             match fs::rename(&path, &rotated) {
                 Ok(()) => {
-                    if let Some(r) = t.current.take() {
-                        t.draining.push((r, DRAIN_POLLS));
+                    if let Some(r) = self.current.take() {
+                        self.draining.push((r, DRAIN_POLLS));
                     }
                 }
                 Err(e) => {

@@ -37,10 +37,7 @@ pub mod untaint;
 mod verdicts;
 mod watch;
 
-use std::{
-    os::fd::AsFd as _,
-    sync::{Arc, Mutex, atomic::Ordering},
-};
+use std::sync::{Arc, Mutex, atomic::Ordering};
 
 use anyhow::Context as _;
 use serde_json::Value;
@@ -59,7 +56,6 @@ use sidestep::{
     loader::{self, LoadOptions, LoadOutcome},
     mounts,
     pins::PinLayout,
-    programs::CGROUP_PROGRAMS,
     sys,
 };
 
@@ -328,13 +324,8 @@ impl Agent {
                 lost[0].display()
             ));
         } else {
-            for p in CGROUP_PROGRAMS {
-                let ok = sys::obj_get(&layout.cgroup_link(p.attach_point))
-                    .and_then(|fd| sys::link_info(fd.as_fd()))
-                    .is_ok_and(|i| i.cgroup_id != 0);
-                if !ok {
-                    missing.push(format!("link {} is not attached", p.attach_point));
-                }
+            for attach_point in sidestep::status::detached_cgroup_links(&layout) {
+                missing.push(format!("link {attach_point} is not attached"));
             }
         }
         if s.uninstall_requested_now() {

@@ -183,11 +183,12 @@ pub fn drain_step(s: &Settings) -> Result<Draining, UninstallError> {
         reconcile::Recreated::default(),
         None,
     );
+    let enrolled = sidestep::maps::enrolled_cookies(&s.pin_root);
     let live: BTreeSet<u64> = report
         .unenrolled
         .iter()
         .map(|l| l.cookie)
-        .chain(sidestep::maps::enrolled_cookies(&s.pin_root))
+        .chain(enrolled.iter().copied())
         .collect();
     let file = s.state_dir.join(DRAIN_FILE);
     let old_chain: BTreeSet<u64> = match fs::read_to_string(&file) {
@@ -202,7 +203,7 @@ pub fn drain_step(s: &Settings) -> Result<Draining, UninstallError> {
         BTreeSet::new()
     };
     let draining = Draining {
-        enrolled: sidestep::maps::enrolled_cookies(&s.pin_root).len(),
+        enrolled: enrolled.len(),
         old_chain: still.len(),
     };
     if !draining.done() {
