@@ -66,16 +66,6 @@ impl Record {
             netns_keys: self.netns_keys.as_ref(),
         }
     }
-
-    /// The plan its ADD applied, read back.
-    pub fn plan(&self) -> crate::enroll::Plan {
-        crate::enroll::Plan {
-            netns: self.netns.clone(),
-            netns_cookie: self.netns_cookie,
-            ifname: self.ifname.clone(),
-            policy: self.policy.clone(),
-        }
-    }
 }
 
 /// The fields of a [`Record`] the agent lists pods by, read leniently: a record whose policy has
