@@ -76,6 +76,7 @@ mod fixtures {
                     source: ip("10.1.2.4"),
                 }],
                 proxy_host_ids: Some((101_337, 101_337)),
+                route_localnet: false,
             }),
             pod_name: Some("web-7d4b9c".into()),
             pod_namespace: Some("shop".into()),

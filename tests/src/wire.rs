@@ -21,6 +21,7 @@ const ETHERTYPE_IPV6: u16 = 0x86dd;
 const IPV6_HEADER: usize = 40;
 const NEXTHDR_HOP: u8 = 0;
 const NEXTHDR_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
 const NEXTHDR_ROUTING: u8 = 43;
 const NEXTHDR_DEST: u8 = 60;
 const IPOPT_END: u8 = 0;
@@ -238,6 +239,27 @@ pub fn is_tcp_syn_to(frame: &[u8], port: u16) -> bool {
         return false;
     };
     u16::from_be_bytes([*d0, *d1]) == port && flags & 0x12 == 0x02
+}
+
+/// Whether a frame is an IPv4 UDP datagram to `port` (options skipped; the first fragment or
+/// an unfragmented one). IPv6 is not needed: its per-datagram routing header needs a kernel
+/// with `CONFIG_IPV6_MIP6`.
+pub fn is_udp4_to(frame: &[u8], port: u16) -> bool {
+    if ethertype(frame) != Some(ETHERTYPE_IPV4) {
+        return false;
+    }
+    let (Some(&version_ihl), Some(&protocol)) = (frame.get(ETH_HEADER), frame.get(ETH_HEADER + 9))
+    else {
+        return false;
+    };
+    if protocol != IPPROTO_UDP {
+        return false;
+    }
+    let udp = ETH_HEADER + usize::from(version_ihl & 0x0f) * 4;
+    let (Some(d0), Some(d1)) = (frame.get(udp + 2), frame.get(udp + 3)) else {
+        return false;
+    };
+    u16::from_be_bytes([*d0, *d1]) == port
 }
 
 #[cfg(test)]

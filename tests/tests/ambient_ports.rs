@@ -7,7 +7,10 @@
 //! must not be handed the pod's inbound connections. Sidecar pods keep the kernel's behaviour, as
 //! under istio-iptables. Needs root; skips otherwise.
 
-use std::time::Duration;
+use std::{
+    net::{TcpListener, UdpSocket},
+    time::Duration,
+};
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
@@ -137,5 +140,64 @@ fn a_listener_bound_before_enrolment_gets_no_captured_inbound() -> Result<()> {
             String::from_utf8_lossy(&out.stdout)
         );
     }
+    Ok(())
+}
+
+/// A socket that binds port 0, or listens or connects unbound, gets an ephemeral port, which
+/// no bind hook sees. A pod may move `ip_local_port_range` (a safe sysctl) over ztunnel's ports;
+/// enrolment reserves them in an ambient pod's netns, so taking every port the range offers still
+/// yields none of them (before the fix it yielded all four).
+#[test]
+fn ephemeral_ports_never_take_ztunnels_in_an_ambient_pod() -> Result<()> {
+    if skip_unless_root("ephemeral_ports_never_take_ztunnels_in_an_ambient_pod") {
+        return Ok(());
+    }
+    let env = TestEnv::new("ambient-ephemeral")?;
+    let node = Node::new(&env, NodeOptions::ipv4_only())?;
+    let ambient = node.add_pod("ambient")?;
+    let loaded = Loaded::load(&env)?;
+    loaded.enroll(&ambient, &["--ambient"])?;
+    sidestep_tests::netns::set_sysctl(
+        &ambient.netns_path,
+        "net.ipv4.ip_local_port_range",
+        "15000 15060",
+    )?;
+    const ZTUNNEL_PORTS: [u16; 4] = [15001, 15006, 15008, 15053];
+    // Every port of the range, as TCP then UDP sockets that bind port 0 until none is left.
+    let (tcp, udp) = ambient.in_netns(|| {
+        let tcp: Vec<TcpListener> = std::iter::from_fn(|| TcpListener::bind("0.0.0.0:0").ok())
+            .take(100)
+            .collect();
+        let udp: Vec<UdpSocket> = std::iter::from_fn(|| UdpSocket::bind("0.0.0.0:0").ok())
+            .take(100)
+            .collect();
+        let port = |a: std::io::Result<std::net::SocketAddr>| a.map(|a| a.port()).unwrap_or(0);
+        (
+            tcp.iter().map(|s| port(s.local_addr())).collect::<Vec<_>>(),
+            udp.iter().map(|s| port(s.local_addr())).collect::<Vec<_>>(),
+        )
+    })?;
+    for (proto, ports) in [("tcp", &tcp), ("udp", &udp)] {
+        // The range was in force: the sockets took (nearly) all of it.
+        ensure!(
+            ports.len() >= 50 && ports.iter().all(|p| (15000..=15060).contains(p)),
+            "{proto}: {} ephemeral ports, not the range's: {ports:?}",
+            ports.len()
+        );
+        let taken: Vec<u16> = ZTUNNEL_PORTS
+            .into_iter()
+            .filter(|z| ports.contains(z))
+            .collect();
+        ensure!(
+            taken.is_empty(),
+            "{proto}: the app was handed ztunnel's port(s) {taken:?} as ephemeral ports"
+        );
+    }
+    let reserved =
+        sidestep_tests::netns::get_sysctl(&ambient.netns_path, "net.ipv4.ip_local_reserved_ports")?;
+    ensure!(
+        reserved.trim() == "15001,15006,15008,15053",
+        "reserved ports: {reserved:?}"
+    );
     Ok(())
 }

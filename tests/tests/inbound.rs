@@ -6,7 +6,7 @@ use std::{net::SocketAddr, time::Duration};
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
 use sidestep_tests::{
-    Node, NodeOptions, Pod, Spawn, TestEnv,
+    ChildGuard, Node, NodeOptions, Pod, Spawn, TestEnv,
     bench::netstat::{tcp_counters, time_wait},
     haproxy, http_get, nginx,
     sidestep::Loaded,
@@ -19,6 +19,12 @@ const PROXY_UID: u32 = 1337;
 fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")
 }
+
+// A test target's modules resolve beside it, not in a directory of its name.
+#[path = "inbound/forged_v4.rs"]
+mod forged_v4;
+#[path = "inbound/listener_slot.rs"]
+mod listener_slot;
 
 fn counter(loaded: &Loaded, pod: &Pod, name: &str) -> Result<u64> {
     let counters = loaded
@@ -340,6 +346,18 @@ fn port_reuse_onto_time_wait(when: ProxiesListen) -> Result<()> {
     Ok(())
 }
 
+/// tc ingress registers a proxy's listener for the pod that a SYN's destination names only when
+/// its socket lookup ran in that pod's netns: a SYN crafted to another pod's MAC, with the
+/// victim's address as destination, must not put the other pod's listener in the victim's slot
+/// (issue 35; `inbound/listener_slot.rs`).
+#[test]
+fn a_crafted_syn_cannot_register_another_pods_listener() -> Result<()> {
+    if skip_unless_root("a_crafted_syn_cannot_register_another_pods_listener") {
+        return Ok(());
+    }
+    listener_slot::a_crafted_syn_cannot_register_another_pods_listener()
+}
+
 /// A SYN behind two VLAN 0 (802.1p priority) tags reaches the stack as plain IP: the kernel
 /// strips one tag before tc and the other after it, so tc's parser sees a VLAN header where the
 /// TCP segment will be. Inbound capture must not depend on that parse. Nothing listens on the
@@ -460,16 +478,32 @@ fn a_forged_local_source_from_off_the_pod_is_captured() -> Result<()> {
     }
 
     // The pod's own connection to its own address, and the proxy's hand-off from ::6: the app's.
-    let before = counter(&loaded, &server, "redirected_inbound")?;
+    own_connections_reach_the_app(&env, &loaded, &server, &app, &app_addr, "[::6]:0")
+}
+
+/// The pod's own connection to its own address (`app_addr`), and the proxy's hand-off from
+/// `passthrough` (127.0.0.6 or ::6), both reach `app` and neither is captured inbound.
+fn own_connections_reach_the_app(
+    env: &TestEnv,
+    loaded: &Loaded,
+    server: &Pod,
+    app: &ChildGuard,
+    app_addr: &str,
+    passthrough: &str,
+) -> Result<()> {
+    let before = counter(loaded, server, "redirected_inbound")?;
     let accepted_before = app.stdout().lines().count();
-    let self_call = server.run(&env, APP_UID, &[probe(), "connect", &app_addr])?;
+    let self_call = server.run(env, APP_UID, &[probe(), "connect", app_addr])?;
     ensure!(self_call.status.success(), "self call: {self_call:?}");
     let handoff = server.run(
-        &env,
+        env,
         PROXY_UID,
-        &[probe(), "connect", &app_addr, "--bind", "[::6]:0"],
+        &[probe(), "connect", app_addr, "--bind", passthrough],
     )?;
-    ensure!(handoff.status.success(), "hand-off from ::6: {handoff:?}");
+    ensure!(
+        handoff.status.success(),
+        "hand-off from {passthrough}: {handoff:?}"
+    );
     std::thread::sleep(Duration::from_millis(300));
     ensure!(
         app.stdout().lines().count() == accepted_before + 2,
@@ -477,8 +511,19 @@ fn a_forged_local_source_from_off_the_pod_is_captured() -> Result<()> {
         app.stdout()
     );
     ensure!(
-        counter(&loaded, &server, "redirected_inbound")? == before,
+        counter(loaded, server, "redirected_inbound")? == before,
         "the pod's own connections were captured inbound"
     );
     Ok(())
+}
+
+/// The same over IPv4, forging 127.0.0.6 into a pod whose `route_localnet` is on (kube-proxy's
+/// node setting, copied into new netns), where the kernel takes a loopback source from the wire
+/// (`inbound/forged_v4.rs`).
+#[test]
+fn a_forged_ipv4_loopback_source_is_captured_with_route_localnet() -> Result<()> {
+    if skip_unless_root("a_forged_ipv4_loopback_source_is_captured_with_route_localnet") {
+        return Ok(());
+    }
+    forged_v4::a_forged_ipv4_loopback_source_is_captured_with_route_localnet()
 }

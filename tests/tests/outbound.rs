@@ -13,8 +13,9 @@ use sidestep_tests::{
 
 const APP_UID: u32 = 1000;
 const PROXY_UID: u32 = 1337;
-/// connect4/6, getpeername4/6, sendmsg4/6, recvmsg4/6, sockops, getsockopt.
-const CGROUP_PROGRAMS: usize = 13;
+/// connect4/6, getpeername4/6, sendmsg4/6, recvmsg4/6, sockops, getsockopt, setsockopt, the
+/// egress route guard, bind4/6.
+const CGROUP_PROGRAMS: usize = 14;
 
 fn probe() -> &'static str {
     env!("CARGO_BIN_EXE_probe")

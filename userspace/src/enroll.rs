@@ -13,6 +13,7 @@ pub mod facts;
 pub mod hook;
 mod passthrough;
 pub mod plan;
+mod reserved_ports;
 pub mod source;
 mod trim;
 mod unenroll;
@@ -131,12 +132,25 @@ pub fn enroll_netns(
     netns_keys.source_routes = source::enrolment_routes(&facts, &primary_source, netns_cookie);
     entries.source = source::entry(primary_source, &netns_keys.source_routes);
     netns_keys.proxy_host_ids = host_ids;
-    entries.pod = NetnsKeys::with_host_ids(entries.pod, host_ids);
+    entries.pod = netns_keys.adjust(entries.pod);
     entries
         .addresses
         .extend(netns_keys.addresses.iter().map(address_words));
     // Before the pod entry: the proxy may bind to ::6 as soon as its pod is captured.
     passthrough::add_ipv6(netns)?;
+    // Before the pod entry too: from then on sidestep steers the pod's traffic to these ports.
+    // Left in place if a later step fails: reserving takes nothing an explicit bind needs.
+    if policy.ambient {
+        reserved_ports::reserve(
+            netns,
+            &[
+                policy.outbound_port,
+                policy.inbound_port,
+                policy.dns_port,
+                sidestep_abi::defaults::TUNNEL_PORT,
+            ],
+        )?;
+    }
     // The return route (TPROXY, ambient) goes in before the pod entry that starts marking
     // connections.
     let return_route = tproxy::ReturnRoute::of_pod_flags(entries.pod.flags);
@@ -369,6 +383,7 @@ fn netns_keys(
         },
         proxy_host_ids: None,
         source_routes: Vec::new(),
+        route_localnet: facts.route_localnet,
     }
 }
 

@@ -21,6 +21,10 @@ const PROGRAM_TYPES: &[(ProgramType, &str)] = &[
         ProgramType::CgroupSockopt,
         "cgroup getsockopt programs (SO_ORIGINAL_DST)",
     ),
+    (
+        ProgramType::CgroupSkb,
+        "cgroup_skb programs (the egress source-route guard)",
+    ),
     (ProgramType::SchedClassifier, "tc programs"),
     (ProgramType::SkMsg, "sk_msg programs"),
     (ProgramType::SkLookup, "sk_lookup programs (Linux 5.9)"),
@@ -59,6 +63,11 @@ const HELPERS: &[(ProgramType, BpfHelper, &str)] = &[
         ProgramType::CgroupSockopt,
         BpfHelper::BPF_FUNC_get_netns_cookie,
         "bpf_get_netns_cookie in cgroup sockopt programs",
+    ),
+    (
+        ProgramType::CgroupSkb,
+        BpfHelper::BPF_FUNC_skb_load_bytes,
+        "bpf_skb_load_bytes in cgroup_skb programs",
     ),
     (
         ProgramType::SkMsg,

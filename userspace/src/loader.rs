@@ -86,6 +86,7 @@ fn load_program(program: &mut Program, name: &'static str) -> Result<(), LoadErr
         Program::CgroupSockAddr(p) => p.load(),
         Program::SockOps(p) => p.load(),
         Program::CgroupSockopt(p) => p.load(),
+        Program::CgroupSkb(p) => p.load(),
         Program::SchedClassifier(p) => p.load(),
         Program::SkMsg(p) => p.load(),
         Program::SkLookup(p) => p.load(),

@@ -14,7 +14,7 @@ pub struct CgroupProgram {
     pub attach_type: bpf_attach_type,
 }
 
-pub const CGROUP_PROGRAMS: [CgroupProgram; 13] = [
+pub const CGROUP_PROGRAMS: [CgroupProgram; 14] = [
     CgroupProgram {
         name: program_names::CONNECT4,
         attach_point: "connect4",
@@ -69,6 +69,13 @@ pub const CGROUP_PROGRAMS: [CgroupProgram; 13] = [
         name: program_names::SETSOCKOPT,
         attach_point: "setsockopt",
         attach_type: bpf_attach_type::BPF_CGROUP_SETSOCKOPT,
+    },
+    // Before bind4/6: `PinLayout::is_loaded` looks for the last link, which an installation
+    // from before this program has too, so pods keep being enrolled while it upgrades.
+    CgroupProgram {
+        name: program_names::ROUTE_GUARD,
+        attach_point: "egress",
+        attach_type: bpf_attach_type::BPF_CGROUP_INET_EGRESS,
     },
     CgroupProgram {
         name: program_names::BIND4,

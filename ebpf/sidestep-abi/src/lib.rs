@@ -82,6 +82,11 @@ pub mod program_names {
     /// cgroup/setsockopt: refuses source routing (a routing header or IPv4 LSRR/SSRR) on the
     /// sockets of enrolled pods, which would send their packets to a first hop connect never saw.
     pub const SETSOCKOPT: &str = "sidestep_setsockopt";
+    /// cgroup_skb egress: drops a packet that carries a loopback address as a source-route
+    /// segment (a captured connection's rewritten destination behind a first hop), which
+    /// [`SETSOCKOPT`] cannot stop when the route came from a compat setsockopt, from before the
+    /// pod's enrolment, or from sendmsg's control data.
+    pub const ROUTE_GUARD: &str = "sidestep_route_guard";
     /// cgroup/bind4 and bind6: in an ambient pod, only ztunnel's marked sockets bind its ports.
     pub const BIND4: &str = "sidestep_bind4";
     pub const BIND6: &str = "sidestep_bind6";
@@ -211,6 +216,10 @@ pub mod flags {
     /// Istio ambient mode: the proxy is ztunnel, known by its socket mark (`ambient::MARK`),
     /// and the decision is istio-cni's in-pod ruleset (docs/ARCHITECTURE.md, "Ambient mode").
     pub const AMBIENT: u32 = 1 << 16;
+    /// IPv4 `route_localnet` was on in the pod's netns at enrolment (`conf/all`, `conf/default` or
+    /// an interface's): the kernel then takes a loopback source from the wire, so sk_lookup
+    /// trusts a loopback source only with sock_ops' record of the pod's own connect.
+    pub const ROUTE_LOCALNET: u32 = 1 << 17;
 }
 
 /// Which rule decided a connect or an inbound SYN, as the debug log reports it. The numbered

@@ -123,7 +123,8 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         }
         return NEXT;
     }
-    let Some(listener) = lookup(ctx, &mut listener_tuple, seg.ipv6) else {
+    let (listener, looked_up_in) = lookup(ctx, &mut listener_tuple, seg.ipv6);
+    let Some(listener) = listener else {
         return DROP;
     };
     // SAFETY: `listener` is a referenced socket from skc_lookup; state is a sock_common field.
@@ -139,7 +140,7 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         // Before Linux 6.5 tc cannot assign a SO_REUSEPORT listener (HAProxy's and Envoy's
         // are). The kernel's own lookup can: the pod's sk_lookup program steers this SYN to
         // the proxy, from the listener map, so the listener must be in it.
-        if captures_on_interface(ctx, netns_cookie) {
+        if captures_on_interface(ctx, netns_cookie, looked_up_in) {
             register_listener(&pod, netns_cookie, listener, pod.inbound_port);
         }
         // SAFETY: releases the reference skc_lookup took.
@@ -191,12 +192,15 @@ fn remember_listener(
     netns_cookie: u64,
     pod: &PodPolicy,
 ) {
-    if !captures_on_interface(ctx, netns_cookie) {
-        return;
-    }
-    let Some(listener) = lookup(ctx, listener_tuple, ipv6) else {
+    let (listener, looked_up_in) = lookup(ctx, listener_tuple, ipv6);
+    let Some(listener) = listener else {
         return;
     };
+    if !captures_on_interface(ctx, netns_cookie, looked_up_in) {
+        // SAFETY: releases the reference skc_lookup took.
+        unsafe { bpf_sk_release(listener.cast()) };
+        return;
+    }
     register_listener(pod, netns_cookie, listener, pod.inbound_port);
     // SAFETY: releases the reference skc_lookup took.
     unsafe { bpf_sk_release(listener.cast()) };
@@ -206,8 +210,18 @@ fn remember_listener(
 /// the interface's netns, and a listener key names the pod by the destination address, so the
 /// two must be the same pod (an address two netns share must not let one pod's SYNs reach the
 /// other's proxy).
+///
+/// The interface index alone does not prove it: indexes are per netns, so eth0 has the same one
+/// in most pods, and a SYN crafted to another pod's MAC with this pod's address as destination
+/// arrives there with a matching index. `looked_up_in` does: the netns cookie that the identity
+/// program of the netns where tc's socket lookup ran reported (0 when none ran: a netns with
+/// no identity program, or a lookup that found an established socket), so another pod's
+/// listener is never registered as this pod's.
 #[inline(always)]
-fn captures_on_interface(ctx: &TcContext, netns_cookie: u64) -> bool {
+fn captures_on_interface(ctx: &TcContext, netns_cookie: u64, looked_up_in: u64) -> bool {
+    if looked_up_in != netns_cookie {
+        return false;
+    }
     // SAFETY: `ifindex` is a readable 4-byte field of __sk_buff.
     let ifindex = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).ifindex) };
     let iface = InterfaceKey {
@@ -298,8 +312,12 @@ fn socket_tuple(seg: &Segment, dst_port_be: u16) -> bpf_sock_tuple {
     t
 }
 
+/// A socket lookup in the skb's netns, and the netns cookie that netns's identity program
+/// reported if the kernel ran the pod's sk_lookup programs for it (it does when no established
+/// socket matches), else 0. The slot is cleared either way, so the next lookup on this CPU never
+/// takes the value for its own.
 #[inline(always)]
-fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<*mut bpf_sock> {
+fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> (Option<*mut bpf_sock>, u64) {
     let size = if ipv6 { 36 } else { 12 };
     let nested = SIDESTEP_NEST.get_ptr_mut(0);
     if let Some(flag) = nested {
@@ -320,13 +338,14 @@ fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<*mu
         // SAFETY: as above.
         unsafe { *flag = 0 };
     }
-    (!sk.is_null()).then_some(sk)
+    let looked_up_in = crate::sklookup::take_identity();
+    ((!sk.is_null()).then_some(sk), looked_up_in)
 }
 
 /// The TCP state of the socket that owns `tuple`, if any.
 #[inline(always)]
 fn lookup_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, ipv6: bool) -> Option<u32> {
-    let sk = lookup(ctx, tuple, ipv6)?;
+    let sk = lookup(ctx, tuple, ipv6).0?;
     // SAFETY: `sk` is a referenced sock_common; `state` is readable on it.
     let state = unsafe { (*sk).state };
     // SAFETY: releases the reference skc_lookup took.

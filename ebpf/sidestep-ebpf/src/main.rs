@@ -14,6 +14,7 @@ mod peername;
 mod policy;
 mod portguard;
 mod reroute;
+mod routeguard;
 mod sklookup;
 mod skmsg;
 mod sockops;

@@ -131,13 +131,13 @@ pub fn parse_tcp(ctx: &TcContext) -> Option<Segment> {
 /// IPv4's More Fragments flag and fragment offset: a packet with either set is a fragment.
 const IPV4_MF_OFFSET: u16 = 0x3fff;
 /// The offset bits of an IPv6 Fragment header's third and fourth bytes.
-const IPV6_FRAG_OFFSET: u16 = 0xfff8;
+pub(crate) const IPV6_FRAG_OFFSET: u16 = 0xfff8;
 
-const NEXTHDR_HOP: u8 = 0;
-const NEXTHDR_ROUTING: u8 = 43;
-const NEXTHDR_FRAGMENT: u8 = 44;
-const NEXTHDR_AUTH: u8 = 51;
-const NEXTHDR_DEST: u8 = 60;
+pub(crate) const NEXTHDR_HOP: u8 = 0;
+pub(crate) const NEXTHDR_ROUTING: u8 = 43;
+pub(crate) const NEXTHDR_FRAGMENT: u8 = 44;
+pub(crate) const NEXTHDR_AUTH: u8 = 51;
+pub(crate) const NEXTHDR_DEST: u8 = 60;
 
 /// Extension headers followed before TCP. The kernel sends at most Hop-by-Hop, Destination
 /// Options (twice), Routing, Fragment and AH in front of TCP; more is a crafted chain, and a
@@ -172,7 +172,7 @@ pub enum Parsed {
 
 /// Whether IPv6 next header `next` is one the loop follows, i.e. TCP may come after it.
 #[inline(always)]
-fn is_ext_header(next: u8) -> bool {
+pub(crate) fn is_ext_header(next: u8) -> bool {
     matches!(
         next,
         NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_FRAGMENT | NEXTHDR_AUTH | NEXTHDR_DEST

@@ -50,7 +50,9 @@ unsafe fn refuses(ctx: &SockAddrContext) -> bool {
     let sa = ctx.sock_addr;
     // SAFETY: 4-byte context field.
     let port = u16::from_be(unsafe { load(&raw const (*sa).user_port) } as u16);
-    // Port 0 asks the kernel for an ephemeral port, never one of these.
+    // Port 0 asks the kernel for an ephemeral port: enrolment reserves these from that choice
+    // in an ambient pod's netns (userspace/src/enroll/reserved_ports.rs), whatever range the pod
+    // sets.
     if port == 0 {
         return false;
     }

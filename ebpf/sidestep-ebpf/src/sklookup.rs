@@ -37,7 +37,7 @@ const LOOPBACK_IFINDEX: u32 = 1;
 /// The netns cookie the pod's identity program left for this run, or 0; the slot is cleared, so
 /// a later lookup on this CPU in a netns without one never takes it for its own.
 #[inline(always)]
-fn take_identity() -> u64 {
+pub fn take_identity() -> u64 {
     match SIDESTEP_NSID.get_ptr_mut(0) {
         // SAFETY: this CPU's slot; the identity program wrote it earlier in this same array run,
         // which runs with migration disabled.
@@ -54,7 +54,13 @@ fn take_identity() -> u64 {
 
 #[sk_lookup]
 pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
-    // First, before any return, so that the slot never outlives this run.
+    // Called inside tc ingress's own socket lookup: tc decides that SYN. The identity program's
+    // cookie stays in its slot for tc, which takes it as the proof of the netns its lookup ran
+    // in (inbound.rs, `lookup`).
+    if SIDESTEP_NEST.get(0).is_some_and(|nested| *nested != 0) {
+        return SK_PASS;
+    }
+    // First, before any other return, so that the slot never outlives this run.
     let named = take_identity();
     let sl = ctx.lookup;
     // SAFETY: 4-byte context fields of bpf_sk_lookup, every one read on every path.
@@ -74,10 +80,6 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     };
     // Only TCP from outside the pod: over lo come the proxy's own hand-offs to the app.
     if protocol != linux::IPPROTO_TCP || ifindex == LOOPBACK_IFINDEX {
-        return SK_PASS;
-    }
-    // Called inside tc ingress's own socket lookup: tc decides that SYN.
-    if SIDESTEP_NEST.get(0).is_some_and(|nested| *nested != 0) {
         return SK_PASS;
     }
     let v4 = family == u32::from(linux::AF_INET);
@@ -131,12 +133,16 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     // The proxy's hand-off to the app (127.0.0.6, ::6) and the pod calling its own address are
     // never captured inbound: Istio's PREROUTING never sees them (their nat decision was made
     // in OUTPUT). The kernel may report them on the interface that owns the address rather
-    // than on lo, so their source decides. IPv4 refuses a local source from the wire (a
-    // martian); IPv6 does not, so there such a source passes only with sock_ops' record of the
-    // pod's own connect, and a forged one from off the pod is captured.
+    // than on lo, so their source decides. IPv6 takes a local source from the wire, so there
+    // such a source passes only with sock_ops' record of the pod's own connect, and a forged
+    // one from off the pod is captured. IPv4 drops a local source from the wire as a martian,
+    // except a loopback one where `route_localnet` is on (kube-proxy turns it on for the node,
+    // and a new netns copies it): in such a pod a loopback source needs the record too.
     if has_local_source(netns_cookie, &remote, &local) {
+        let trusted_alone = v4
+            && (pod.flags & flags::ROUTE_LOCALNET == 0 || !policy::is_loopback(&remote));
         // SAFETY: the value is read at once.
-        let own = v4
+        let own = trusted_alone
             || unsafe { SIDESTEP_PEND.get(pending) }
                 .is_some_and(|o| o.kind == redirect_kind::LOCAL_SELF);
         if own {

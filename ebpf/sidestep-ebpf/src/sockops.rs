@@ -164,48 +164,67 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     }
 }
 
-/// An IPv6 socket of an enrolled pod connecting to one of the pod's own addresses: record its
-/// 4-tuple (`redirect_kind::LOCAL_SELF`) so that sk_lookup, which sees the SYN arrive on the
-/// address's interface rather than on lo, can tell it from a forged one. The record goes with the
-/// socket's close, as a redirected client's does.
+/// A socket of an enrolled pod connecting to one of the pod's own addresses: record its 4-tuple
+/// (`redirect_kind::LOCAL_SELF`) so that sk_lookup, which sees the SYN arrive on the address's
+/// interface rather than on lo, can tell it from a forged one. IPv6 takes a local source from
+/// the wire, so every such connection is recorded. IPv4 drops one as a martian, except a
+/// loopback source where `route_localnet` is on (`flags::ROUTE_LOCALNET`): there only the
+/// connections from a loopback source (the proxy's hand-off from 127.0.0.6) are recorded. The
+/// record goes with the socket's close, as a redirected client's does.
 ///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
 unsafe fn on_self_connect(ctx: &SockOpsContext) {
     // SAFETY: 4-byte context field.
-    if unsafe { load(&raw const (*ctx.ops).family) } != u32::from(linux::AF_INET6) {
+    let family = unsafe { load(&raw const (*ctx.ops).family) };
+    if family != u32::from(linux::AF_INET6) && family != u32::from(linux::AF_INET) {
         return;
     }
     // SAFETY: forwarded from our caller.
     let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
-    // ::1 arrives on lo, where sk_lookup asks nothing; an IPv4-mapped peer is IPv4.
-    if sidestep_abi::is_v4_mapped(&remote) || crate::policy::is_loopback(&remote) {
+    // A loopback peer arrives on lo, where sk_lookup asks nothing.
+    if crate::policy::is_loopback(&remote) {
         return;
     }
     // SAFETY: valid sock_ops context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    // The same address on both ends, or the proxy's hand-off from ::6, covers what the pod map
-    // does not name (a link-local or later address); those two ask for the pod's entry, since
-    // any netns of the node makes such connections. A pod address names an enrolled pod.
-    let same = local[0] == remote[0]
-        && local[1] == remote[1]
-        && local[2] == remote[2]
-        && local[3] == remote[3];
-    let unnamed = same || crate::policy::is_passthrough_source(&local);
-    if unnamed {
-        if crate::policy::pod_policy(netns_cookie).is_none() {
+    let ipv4 = sidestep_abi::is_v4_mapped(&remote);
+    if ipv4 {
+        if !crate::policy::is_loopback(&local)
+            || !crate::policy::pod_policy(netns_cookie)
+                .is_some_and(|p| p.flags & flags::ROUTE_LOCALNET != 0)
+        {
             return;
         }
-    } else if !crate::policy::is_pod_address(netns_cookie, &remote) {
-        return;
+    } else {
+        // The same address on both ends, or the proxy's hand-off from ::6, covers what the pod
+        // map does not name (a link-local or later address); those two ask for the pod's entry,
+        // since any netns of the node makes such connections. A pod address names an enrolled
+        // pod.
+        let same = local[0] == remote[0]
+            && local[1] == remote[1]
+            && local[2] == remote[2]
+            && local[3] == remote[3];
+        let unnamed = same || crate::policy::is_passthrough_source(&local);
+        if unnamed {
+            if crate::policy::pod_policy(netns_cookie).is_none() {
+                return;
+            }
+        } else if !crate::policy::is_pod_address(netns_cookie, &remote) {
+            return;
+        }
     }
     let key = TupleKey::new(netns_cookie, (local, local_port), (remote, remote_port));
     let record = OrigDst {
         addr: remote,
         port_be: remote_port.to_be(),
         kind: redirect_kind::LOCAL_SELF,
-        family: linux::AF_INET6,
+        family: if ipv4 {
+            linux::AF_INET
+        } else {
+            linux::AF_INET6
+        },
         side: socket_side::CLIENT,
     };
     if SIDESTEP_PEND.insert(key, record, 0).is_ok() {

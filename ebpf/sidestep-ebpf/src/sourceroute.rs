@@ -14,7 +14,10 @@
 //! IPv4 source route passed per datagram in sendmsg's control data (TCP ignores those; UDP
 //! honours them, and the UDP it concerns is DNS; IPv4's needs CAP_NET_RAW); a setsockopt from a
 //! 32-bit (compat) process, for which the kernel does not run cgroup sockopt programs; and an
-//! option a socket set before its pod was enrolled (an agent repair of a running pod).
+//! option a socket set before its pod was enrolled (an agent repair of a running pod). Those
+//! reach the packet, where `routeguard` (cgroup_skb egress) drops any that names a loopback
+//! address as a route segment; refusing the option here still fails the app early and plainly
+//! (EPERM at setsockopt rather than a connect that times out).
 
 use aya_ebpf::{
     EbpfContext, helpers::generated::bpf_get_netns_cookie, macros::cgroup_sockopt,

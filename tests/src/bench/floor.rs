@@ -36,7 +36,7 @@ pub struct Hook {
     pub stands_for: &'static [&'static str],
 }
 
-pub const HOOKS: [Hook; 12] = {
+pub const HOOKS: [Hook; 13] = {
     use bpf_attach_type::*;
     use bpf_prog_type::*;
     const fn cgroup(
@@ -120,6 +120,13 @@ pub const HOOKS: [Hook; 12] = {
             addr,
             BPF_CGROUP_UDP6_RECVMSG,
             &["sidestep_recvmsg6"],
+        ),
+        // Every egress packet of every socket under the cgroup, loopback included.
+        cgroup(
+            "floor_egress",
+            BPF_PROG_TYPE_CGROUP_SKB,
+            BPF_CGROUP_INET_EGRESS,
+            &["sidestep_route_guard"],
         ),
         Hook {
             name: "floor_sk_lookup",
@@ -288,6 +295,7 @@ mod tests {
             "sidestep_sockops",
             "sidestep_connect4",
             "sidestep_getsockopt",
+            "sidestep_route_guard",
             "sidestep_pod_id",
             "sidestep_sk_lookup",
         ] {

@@ -27,7 +27,7 @@
 //! probe spoof-syn SRC-IP DST        one SYN from a forged source (raw socket, CAP_NET_RAW)
 //! probe bind ADDR [--udp] [--mark N] [--listen-after-ms MS]
 //!     bind one socket (marked first), report the errno; optionally listen later (probe/bindport.rs)
-//! probe srcroute KIND ADDR --via HOP [--after]
+//! probe srcroute KIND ADDR --via HOP [--after] [--compat] [--wait-file PATH]
 //!     connect to ADDR from a socket with a source route through HOP (probe/srcroute.rs)
 //! probe hold ADDR                    keep accepted connections open (echo), print accepts and closes
 //! probe origdst-echo ADDR[,ADDR...]  answer each connection with its SO_ORIGINAL_DST, then close
@@ -179,7 +179,11 @@ fn main() {
             option("--via")
                 .and_then(|a| a.parse().ok())
                 .expect("probe: srcroute KIND ADDR --via HOP"),
-            flag("--after"),
+            srcroute::Options {
+                after: flag("--after"),
+                compat: flag("--compat"),
+                wait_file: option("--wait-file").map(Into::into),
+            },
         ),
         // Crafted packets (probe/craft.rs documents both).
         Some("connect-ext") => craft::connect_ext(
@@ -217,8 +221,12 @@ fn main() {
                 .and_then(|a| a.parse().ok())
                 .expect("probe: vlan-syn IFACE DST-MAC SRC-IP DST"),
             addr(4),
-            option("--tags").map_or(2, |n| n.parse().expect("probe: --tags takes a count")),
-            flag("--outer-ad"),
+            craft::FrameShape {
+                tags: option("--tags")
+                    .map_or(2, |n| n.parse().expect("probe: --tags takes a count")),
+                outer_ad: flag("--outer-ad"),
+                sport: option("--sport").map(|p| p.parse().expect("probe: --sport takes a port")),
+            },
             Duration::from_millis(
                 option("--wait-ms")
                     .map(|ms| ms.parse().expect("probe: --wait-ms takes milliseconds"))

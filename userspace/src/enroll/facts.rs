@@ -44,6 +44,8 @@ pub struct NetnsFacts {
     pub interfaces: Vec<(String, u32)>,
     /// The main table's unicast routes; read only when asked for.
     pub routes: Vec<Route>,
+    /// IPv4 `route_localnet` is on for the netns (`conf/all`, `conf/default`, or an interface).
+    pub route_localnet: bool,
 }
 
 impl NetnsFacts {
@@ -102,8 +104,20 @@ pub fn read(netns: &Netns, with_routes: bool) -> Result<NetnsFacts, NetnsError> 
         if with_routes || homes.len() > 1 {
             facts.routes = dump_routes()?;
         }
+        facts.route_localnet = ["all", "default"]
+            .into_iter()
+            .chain(facts.interfaces.iter().map(|(name, _)| name.as_str()))
+            .any(route_localnet_on);
         Ok(facts)
     })
+}
+
+/// Whether IPv4 `route_localnet` is on for `conf` (`all`, `default` or an interface) of the
+/// calling thread's netns. The kernel honours the interface's value or `all`'s; `default` is what
+/// an interface made later starts with. A netns without IPv4 has none.
+fn route_localnet_on(conf: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{conf}/route_localnet"))
+        .is_ok_and(|v| v.trim() != "0")
 }
 
 /// The main table's unicast routes of both families (an IPv6-less netns has none of its own).
@@ -227,6 +241,9 @@ pub struct NetnsKeys {
     /// of its own (`hostUsers: false`): what the pod entry holds instead of the policy's IDs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy_host_ids: Option<(u32, u32)>,
+    /// IPv4 `route_localnet` was on in the netns (`flags::ROUTE_LOCALNET`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub route_localnet: bool,
 }
 
 impl NetnsKeys {
@@ -236,16 +253,18 @@ impl NetnsKeys {
         policy: &crate::policy::Policy,
         netns_cookie: u64,
     ) -> sidestep_abi::PodPolicy {
-        Self::with_host_ids(policy.to_map_entries(netns_cookie).pod, self.proxy_host_ids)
+        self.adjust(policy.to_map_entries(netns_cookie).pod)
     }
 
-    pub fn with_host_ids(
-        mut pod: sidestep_abi::PodPolicy,
-        host_ids: Option<(u32, u32)>,
-    ) -> sidestep_abi::PodPolicy {
-        if let Some((uid, gid)) = host_ids {
+    /// What the netns changes in a policy's pod entry: the proxy's IDs as the host sees them,
+    /// and the `route_localnet` flag.
+    pub fn adjust(&self, mut pod: sidestep_abi::PodPolicy) -> sidestep_abi::PodPolicy {
+        if let Some((uid, gid)) = self.proxy_host_ids {
             pod.proxy_uid = uid;
             pod.proxy_gid = gid;
+        }
+        if self.route_localnet {
+            pod.flags |= sidestep_abi::flags::ROUTE_LOCALNET;
         }
         pod
     }

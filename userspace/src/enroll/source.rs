@@ -361,6 +361,7 @@ mod tests {
                 metric: 0,
             })
             .collect(),
+            route_localnet: false,
         }
     }
 

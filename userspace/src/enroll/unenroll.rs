@@ -235,8 +235,9 @@ pub fn unenroll_recorded(
     recorded: &Recorded<'_>,
 ) -> Result<bool, MapsError> {
     let entries = recorded.policy.to_map_entries(netns_cookie);
-    let host_ids = recorded.netns_keys.and_then(|k| k.proxy_host_ids);
-    let pod = super::NetnsKeys::with_host_ids(entries.pod, host_ids);
+    let pod = recorded
+        .netns_keys
+        .map_or(entries.pod, |k| k.adjust(entries.pod));
     // Absent is fine: an unenrolment interrupted after the pod entry left the rest.
     if maps
         .pods

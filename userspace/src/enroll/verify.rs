@@ -96,12 +96,11 @@ fn join(ips: &[IpAddr]) -> String {
 pub fn observe(pin_root: &Path, cookie: u64, expected: &Expected<'_>) -> Observed {
     let layout = PinLayout::new(pin_root);
     let maps = PolicyMaps::open(pin_root);
-    let host_ids = expected.netns_keys.and_then(|k| k.proxy_host_ids);
     let pod_entry = match &maps {
         Err(e) => PodEntry::Unreadable(e.to_string()),
         Ok(maps) => {
-            let want =
-                NetnsKeys::with_host_ids(expected.policy.to_map_entries(cookie).pod, host_ids);
+            let pod = expected.policy.to_map_entries(cookie).pod;
+            let want = expected.netns_keys.map_or(pod, |k| k.adjust(pod));
             match maps.pods.get(&cookie, 0) {
                 Ok(have) if have == want => PodEntry::Matches,
                 Ok(_) => PodEntry::Differs,

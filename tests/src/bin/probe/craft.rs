@@ -440,21 +440,34 @@ fn hardware_address(iface: &str) -> std::io::Result<[u8; 6]> {
     Ok(mac)
 }
 
-/// `probe vlan-syn IFACE DST-MAC SRC DST [--tags N] [--outer-ad] [--wait-ms N]`: sends a SYN from
-/// SRC to DST as one Ethernet frame out of IFACE (a packet socket) to DST-MAC, behind N 802.1Q
-/// tags of VLAN 0 (default 2; with --outer-ad the outermost is an 802.1ad tag). The kernel strips the first tag before tc runs and the others after it,
-/// then delivers the packet as untagged IP: a tc program that reads the frame as the wire has
-/// it sees a VLAN header where the IP packet the stack gets is. Prints what `frag-syn` prints.
+/// How `vlan-syn` builds its frame: VLAN tags, the outer tag's kind, the source port.
+pub(super) struct FrameShape {
+    pub tags: usize,
+    pub outer_ad: bool,
+    pub sport: Option<u16>,
+}
+
+/// `probe vlan-syn IFACE DST-MAC SRC DST [--tags N] [--outer-ad] [--sport P] [--wait-ms N]`:
+/// sends a SYN from SRC (port P, by default one from the pid) to DST as one Ethernet frame out of
+/// IFACE (a packet socket) to DST-MAC, behind N 802.1Q tags of VLAN 0 (default 2; with
+/// --outer-ad the outermost is an 802.1ad tag; 0 sends a plain frame). The kernel strips the
+/// first tag before tc runs and the others after it, then delivers the packet as untagged IP: a
+/// tc program that reads the frame as the wire has it sees a VLAN header where the IP packet the
+/// stack gets is. Prints what `frag-syn` prints.
 pub(super) fn vlan_syn(
     iface: &str,
     dst_mac: &str,
     src: IpAddr,
     dst: SocketAddr,
-    tags: usize,
-    outer_ad: bool,
+    shape: FrameShape,
     wait: Duration,
 ) -> i32 {
-    let sport = crafted_sport();
+    let FrameShape {
+        tags,
+        outer_ad,
+        sport,
+    } = shape;
+    let sport = sport.unwrap_or_else(crafted_sport);
     exchange(dst, sport, wait, || {
         let invalid =
             |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
