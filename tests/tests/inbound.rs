@@ -26,6 +26,18 @@ mod forged_v4;
 #[path = "inbound/listener_slot.rs"]
 mod listener_slot;
 
+/// Runs `probe ARGS` as root in `pod` (packet and raw sockets need CAP_NET_RAW) for a crafted
+/// SYN (`vlan-syn`, `spoof-syn`), checks that it sent it, and returns its report.
+fn crafted_syn(env: &TestEnv, pod: &Pod, args: &[&str]) -> Result<Value> {
+    let argv = [&[probe()], args].concat();
+    let out = pod.run(env, 0, &argv)?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.lines().last().unwrap_or_default())
+        .with_context(|| format!("probe {} printed {text:?}: {out:?}", args[0]))?;
+    ensure!(v["sent"] == 1, "{}: {v}", args[0]);
+    Ok(v)
+}
+
 fn counter(loaded: &Loaded, pod: &Pod, name: &str) -> Result<u64> {
     let counters = loaded
         .counters(pod.netns_cookie()?)?
@@ -378,21 +390,8 @@ fn a_syn_behind_vlan_tags_is_captured_under_both_hooks() -> Result<()> {
     let (src, dst) = (client.ipv4.to_string(), format!("{}:8080", server.ipv4));
     // Root in the client pod: a packet socket needs CAP_NET_RAW.
     let reply = |tags: &str| -> Result<String> {
-        let argv = [
-            probe(),
-            "vlan-syn",
-            "eth0",
-            &mac,
-            &src,
-            &dst,
-            "--tags",
-            tags,
-        ];
-        let out = client.run(&env, 0, &argv)?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Value = serde_json::from_str(text.lines().last().unwrap_or_default())
-            .with_context(|| format!("probe vlan-syn printed {text:?}: {out:?}"))?;
-        ensure!(v["sent"] == 1, "vlan-syn: {v}");
+        let argv = ["vlan-syn", "eth0", &mac, &src, &dst, "--tags", tags];
+        let v = crafted_syn(&env, &client, &argv)?;
         Ok(v["reply"].as_str().unwrap_or_default().to_owned())
     };
     for tags in ["0", "2"] {
@@ -460,12 +459,7 @@ fn a_forged_local_source_from_off_the_pod_is_captured() -> Result<()> {
 
     for forged in [server6.to_string(), "::6".to_string()] {
         let before = counter(&loaded, &server, "redirected_inbound")?;
-        // Root in the attacker pod: a raw socket needs CAP_NET_RAW.
-        let out = attacker.run(&env, 0, &[probe(), "spoof-syn", &forged, &app_addr])?;
-        ensure!(
-            String::from_utf8_lossy(&out.stdout).contains("\"sent\":1"),
-            "spoof-syn: {out:?}"
-        );
+        crafted_syn(&env, &attacker, &["spoof-syn", &forged, &app_addr])?;
         std::thread::sleep(Duration::from_millis(300));
         let after = counter(&loaded, &server, "redirected_inbound")?;
         // Captured, the proxy's SYN-ACK goes to the forged source, the pod itself, and the

@@ -140,8 +140,8 @@ fn on_syn(ctx: &TcContext, seg: &Segment) -> i32 {
         // Before Linux 6.5 tc cannot assign a SO_REUSEPORT listener (HAProxy's and Envoy's
         // are). The kernel's own lookup can: the pod's sk_lookup program steers this SYN to
         // the proxy, from the listener map, so the listener must be in it.
-        if captures_on_interface(ctx, netns_cookie, looked_up_in) {
-            register_listener(&pod, netns_cookie, listener, pod.inbound_port);
+        if captures_on_interface(ctx, netns_cookie) {
+            register_listener(&pod, netns_cookie, looked_up_in, listener);
         }
         // SAFETY: releases the reference skc_lookup took.
         unsafe { bpf_sk_release(listener.cast()) };
@@ -192,16 +192,14 @@ fn remember_listener(
     netns_cookie: u64,
     pod: &PodPolicy,
 ) {
+    if !captures_on_interface(ctx, netns_cookie) {
+        return;
+    }
     let (listener, looked_up_in) = lookup(ctx, listener_tuple, ipv6);
     let Some(listener) = listener else {
         return;
     };
-    if !captures_on_interface(ctx, netns_cookie, looked_up_in) {
-        // SAFETY: releases the reference skc_lookup took.
-        unsafe { bpf_sk_release(listener.cast()) };
-        return;
-    }
-    register_listener(pod, netns_cookie, listener, pod.inbound_port);
+    register_listener(pod, netns_cookie, looked_up_in, listener);
     // SAFETY: releases the reference skc_lookup took.
     unsafe { bpf_sk_release(listener.cast()) };
 }
@@ -209,19 +207,10 @@ fn remember_listener(
 /// Whether this skb's interface is one the pod captures inbound on with tc: the lookup runs in
 /// the interface's netns, and a listener key names the pod by the destination address, so the
 /// two must be the same pod (an address two netns share must not let one pod's SYNs reach the
-/// other's proxy).
-///
-/// The interface index alone does not prove it: indexes are per netns, so eth0 has the same one
-/// in most pods, and a SYN crafted to another pod's MAC with this pod's address as destination
-/// arrives there with a matching index. `looked_up_in` does: the netns cookie that the identity
-/// program of the netns where tc's socket lookup ran reported (0 when none ran: a netns with
-/// no identity program, or a lookup that found an established socket), so another pod's
-/// listener is never registered as this pod's.
+/// other's proxy). The index alone does not prove the netns is the pod's; `register_listener`
+/// checks that.
 #[inline(always)]
-fn captures_on_interface(ctx: &TcContext, netns_cookie: u64, looked_up_in: u64) -> bool {
-    if looked_up_in != netns_cookie {
-        return false;
-    }
+fn captures_on_interface(ctx: &TcContext, netns_cookie: u64) -> bool {
     // SAFETY: `ifindex` is a readable 4-byte field of __sk_buff.
     let ifindex = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).ifindex) };
     let iface = InterfaceKey {
@@ -253,15 +242,24 @@ fn is_the_pods_proxy(pod: &PodPolicy, listener: *mut bpf_sock) -> bool {
     crate::ambient::is_ztunnel_mark(pod, mark)
 }
 
-/// Adds `listener` (a referenced socket the caller releases) to `SIDESTEP_LSTN` when it listens
-/// and is not there yet.
+/// Adds `listener` (a referenced socket the caller releases) to `SIDESTEP_LSTN` when it listens,
+/// is not there yet, and was found in the pod's own netns. The interface index does not prove
+/// that: indexes are per netns, so eth0 has the same one in most pods, and a SYN crafted to
+/// another pod's MAC with this pod's address as destination arrives there with a matching index.
+/// `looked_up_in` does: the netns cookie that the identity program of the netns where tc's
+/// socket lookup ran reported (0 when none ran: a netns with no identity program, or a lookup
+/// that found an established socket), so another pod's listener is never registered as this
+/// pod's.
 #[inline(always)]
 fn register_listener(
     pod: &PodPolicy,
     netns_cookie: u64,
+    looked_up_in: u64,
     listener: *mut bpf_sock,
-    inbound_port: u16,
 ) {
+    if looked_up_in != netns_cookie {
+        return;
+    }
     // SAFETY: `listener` is a referenced socket from skc_lookup; both are sock_common fields.
     let (state, family) = unsafe { ((*listener).state, (*listener).family) };
     if state != TCP_LISTEN {
@@ -272,7 +270,7 @@ fn register_listener(
     let key = ListenerKey {
         netns_cookie,
         family,
-        port: u32::from(inbound_port),
+        port: u32::from(pod.inbound_port),
     };
     let map = core::ptr::from_ref(&SIDESTEP_LSTN).cast_mut().cast();
     let key_ptr = core::ptr::from_ref(&key).cast();

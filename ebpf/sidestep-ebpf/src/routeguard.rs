@@ -24,6 +24,7 @@ use sidestep_abi::linux;
 use crate::{
     context::load,
     packet::{IPV6_FRAG_OFFSET, NEXTHDR_AUTH, NEXTHDR_FRAGMENT, NEXTHDR_ROUTING, is_ext_header},
+    policy,
 };
 
 const PASS: i32 = 1;
@@ -66,20 +67,14 @@ fn masked(value: u32, mask: &'static u32) -> u32 {
 #[cgroup_skb(egress)]
 pub fn sidestep_route_guard(ctx: SkBuffContext) -> i32 {
     // SAFETY: the kernel hands us a valid __sk_buff for the duration of the call.
-    match unsafe { first_bytes(&ctx) } {
-        Some(First::Plain) => PASS,
-        Some(First::V4 { ihl }) => ipv4_verdict(&ctx, ihl),
-        Some(First::V6 { next }) => ipv6_verdict(&ctx, next),
+    let head = unsafe { first_bytes(&ctx) }
         // The network header is not in the linear area (never for a packet the stack built, but
         // then read it the slow way rather than guess).
-        None => match ctx.load::<[u8; 8]>(0) {
-            Ok(head) => match classify(head[0], head[6]) {
-                First::Plain => PASS,
-                First::V4 { ihl } => ipv4_verdict(&ctx, ihl),
-                First::V6 { next } => ipv6_verdict(&ctx, next),
-            },
-            Err(_) => PASS,
-        },
+        .or_else(|| ctx.load::<[u8; 8]>(0).ok().map(|h| (h[0], h[6])));
+    match head.map(|(ver_ihl, next_header)| classify(ver_ihl, next_header)) {
+        Some(First::V4 { ihl }) => ipv4_verdict(&ctx, ihl),
+        Some(First::V6 { next }) => ipv6_verdict(&ctx, next),
+        Some(First::Plain) | None => PASS,
     }
 }
 
@@ -112,13 +107,13 @@ fn classify(ver_ihl: u8, next_header: u8) -> First {
     }
 }
 
-/// The fast path: the version, IHL and IPv6 next header read straight from the packet, or None
-/// when its first 8 bytes are not in the linear area.
+/// The fast path: the version and IHL byte and the IPv6 next header byte, read straight from
+/// the packet, or None when its first 8 bytes are not in the linear area.
 ///
 /// # Safety
 /// `ctx` must be the live context of a cgroup_skb program.
 #[inline(always)]
-unsafe fn first_bytes(ctx: &SkBuffContext) -> Option<First> {
+unsafe fn first_bytes(ctx: &SkBuffContext) -> Option<(u8, u8)> {
     let skb = ctx.skb.skb;
     // SAFETY: 4-byte context fields, read one at a time (the verifier refuses a merged load).
     let (data, data_end) = unsafe {
@@ -131,13 +126,12 @@ unsafe fn first_bytes(ctx: &SkBuffContext) -> Option<First> {
         return None;
     }
     // SAFETY: [data, data + 8) is inside the packet's linear area, checked above.
-    let (ver_ihl, next_header) = unsafe {
+    Some(unsafe {
         (
             (data as *const u8).read(),
             (data as *const u8).add(6).read(),
         )
-    };
-    Some(classify(ver_ihl, next_header))
+    })
 }
 
 /// IPv4 with options: drop when a loose or strict source route lists an address in
@@ -284,23 +278,10 @@ fn routes_through_loopback(ctx: &SkBuffContext, off: u32, hdr_ext_len: u8) -> bo
         let Ok(addr) = ctx.load::<[u32; 4]>(at as usize) else {
             return true;
         };
-        if is_loopback_v6(&addr) {
+        // The words as read from the packet: network order, as every address in the maps.
+        if policy::is_loopback(&addr) {
             return true;
         }
     }
     false
-}
-
-/// ::1, or ::ffff:127.0.0.0/104; `a` holds the address's bytes as read, in four words.
-#[inline(always)]
-fn is_loopback_v6(a: &[u32; 4]) -> bool {
-    if a[0] != 0 || a[1] != 0 {
-        return false;
-    }
-    let [b0, b1, b2, b3] = a[3].to_ne_bytes();
-    let [m0, m1, m2, m3] = a[2].to_ne_bytes();
-    let loopback =
-        m0 == 0 && m1 == 0 && m2 == 0 && m3 == 0 && b0 == 0 && b1 == 0 && b2 == 0 && b3 == 1;
-    let mapped_loopback = m0 == 0 && m1 == 0 && m2 == 0xff && m3 == 0xff && b0 == 127;
-    loopback || mapped_loopback
 }
