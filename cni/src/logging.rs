@@ -1,4 +1,7 @@
-//! Logs go to stderr (stdout belongs to the protocol) and, with `log_file`, to a root-only file.
+//! Logs go to stderr (stdout belongs to the protocol), with `log_file` to a root-only file, and
+//! to the node agent's log when it runs ([`agent`]).
+
+pub mod agent;
 
 use std::{
     fs::OpenOptions,
@@ -25,6 +28,16 @@ pub fn peek(stdin: &[u8]) -> (Option<String>, Option<PathBuf>) {
     )
 }
 
+/// The state directory the config names (where the agent's log socket is), read as
+/// [`peek`] reads: before validation, so that a config error reaches the agent's log too.
+pub fn peek_state_dir(stdin: &[u8]) -> PathBuf {
+    serde_json::from_slice::<Value>(stdin)
+        .ok()
+        .and_then(|v| v.get("state_dir")?.as_str().map(PathBuf::from))
+        .filter(|p| p.is_absolute())
+        .unwrap_or_else(|| PathBuf::from(crate::config::DEFAULT_STATE_DIR))
+}
+
 const LEVELS: [&str; 8] = [
     "none", "off", "error", "warn", "warning", "info", "debug", "trace",
 ];
@@ -49,7 +62,12 @@ fn filter(level: Option<&str>) -> EnvFilter {
     EnvFilter::try_new(&level).unwrap_or_else(|_| EnvFilter::new("info"))
 }
 
-pub fn init(level: Option<&str>, file: Option<&Path>) {
+/// Sets up the layers; `agent`, when one listens, gets every line the level lets through.
+pub fn init(level: Option<&str>, file: Option<&Path>, agent: Option<agent::Sender>) {
+    let forward = agent.map(|sender| {
+        agent::install(sender);
+        agent::Forward.with_filter(filter(level))
+    });
     let stderr = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -77,6 +95,7 @@ pub fn init(level: Option<&str>, file: Option<&Path>) {
     let _ = tracing_subscriber::registry()
         .with(stderr)
         .with(file_layer)
+        .with(forward)
         .try_init();
 }
 
@@ -98,6 +117,14 @@ mod tests {
             assert!(!valid_level(bad), "{bad}");
         }
         assert_eq!(peek(br#"{"log_file":"sidestep.log"}"#).1, None);
+        assert_eq!(
+            peek_state_dir(br#"{"state_dir":"/s"}"#),
+            PathBuf::from("/s")
+        );
+        assert_eq!(
+            peek_state_dir(b"{"),
+            PathBuf::from(crate::config::DEFAULT_STATE_DIR)
+        );
     }
 
     #[test]

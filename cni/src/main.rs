@@ -24,7 +24,9 @@ fn main() -> ExitCode {
             .context("reading stdin")
     };
     let (level, file) = logging::peek(&stdin);
-    logging::init(level.as_deref(), file.as_deref());
+    let invocation = logging::agent::Invocation::from_env(&|k| std::env::var(k).ok());
+    let agent = logging::agent::Sender::connect(&logging::peek_state_dir(&stdin), invocation);
+    logging::init(level.as_deref(), file.as_deref(), agent);
     let outcome = match read {
         Ok(_) => plugin::run(&|k| std::env::var(k).ok(), &stdin, &plugin::Node),
         Err(e) => plugin::Outcome {

@@ -110,11 +110,12 @@ pub fn run(get_env: &dyn Fn(&str) -> Option<String>, stdin: &[u8], deps: &dyn De
         Command::Status => status(dp.as_ref()).map(|()| None),
         Command::Version => unreachable!("answered before the config is parsed"),
     };
-    // For the agent's /metrics; never fails the call. VERSION never gets here.
+    // For the agent's /metrics, with the error's code; never fails the call. VERSION never
+    // gets here.
     sidestep::statedir::timings::append(
         &cfg.state_dir,
         env.command.as_str(),
-        result.is_ok(),
+        result.as_ref().err().map(|e| e.code),
         started.elapsed(),
     );
     match result {

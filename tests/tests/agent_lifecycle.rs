@@ -176,10 +176,14 @@ fn uninstall_force_removes_everything_and_counts_the_pods_it_leaves() -> Result<
     let st = agent.child.terminate(Duration::from_secs(10))?;
     ensure!(st.success());
 
-    let out = agent_support::uninstall_with(&env, &d, &["--force"])?;
+    // As a script reads it (the drain's test reads the text).
+    let out = agent_support::uninstall_with(&env, &d, &["--force", "-o", "json"])?;
     eprintln!("{out}");
+    let removed: Value = serde_json::from_str(&out).context("uninstall -o json")?;
+    ensure!(removed["left_uncaptured"] == 1, "{out}");
     ensure!(
-        out.contains("--force: 1 enrolled pods left UNCAPTURED"),
+        removed["pin_root"].as_str() == Some(&*env.pin_root().display().to_string())
+            && removed["draining"].is_null(),
         "{out}"
     );
     ensure_nothing_left(&env, &d, &primary, &original, &links)?;

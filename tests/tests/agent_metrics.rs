@@ -9,24 +9,36 @@ mod agent_support;
 
 use std::{
     collections::BTreeMap,
-    io::Write as _,
-    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use agent_support::{Agent, Dirs, base_args, free_port, http_get, meshed, samples, wait_until};
 use anyhow::{Context as _, Result, ensure};
-use serde_json::json;
 use sidestep_tests::{TestEnv, skip_unless_root};
 
 const HIST: &str = "sidestep_cni_operation_duration_seconds";
 
+/// The operations of `command` with `result`, summed over their CNI error codes (`code`, on
+/// failures only).
 fn ops(s: &BTreeMap<String, f64>, command: &str, result: &str) -> f64 {
-    s.get(&format!(
-        r#"sidestep_cni_operations_total{{command="{command}",result="{result}"}}"#
-    ))
-    .copied()
-    .unwrap_or(0.0)
+    let prefix = format!(r#"sidestep_cni_operations_total{{command="{command}",result="{result}""#);
+    s.iter()
+        .filter(|(k, _)| {
+            k.strip_prefix(&prefix)
+                .is_some_and(|rest| rest == "}" || rest.starts_with(",code="))
+        })
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// The CNI error codes `command`'s failures carry in the `code` label.
+fn error_codes(s: &BTreeMap<String, f64>, command: &str) -> Vec<String> {
+    let prefix =
+        format!(r#"sidestep_cni_operations_total{{command="{command}",result="error",code=""#);
+    s.keys()
+        .filter_map(|k| k.strip_prefix(&prefix))
+        .map(|rest| rest.trim_end_matches("\"}").to_owned())
+        .collect()
 }
 
 /// (bucket bounds with their cumulative counts, count, sum) of one histogram series.
@@ -58,36 +70,6 @@ fn histogram(
             .unwrap_or(0.0)
     };
     (buckets, get("count"), get("sum"))
-}
-
-/// An ADD the plugin refuses (the netns is not a network namespace), run as a runtime would.
-fn failing_add(d: &Dirs, entry: &serde_json::Value) -> Result<()> {
-    let mut conf = entry.clone();
-    conf["cniVersion"] = json!("1.0.0");
-    conf["name"] = json!("test-net");
-    let mut child = Command::new(d.bin.join("sidestep"))
-        .env_clear()
-        .env("CNI_COMMAND", "ADD")
-        .env("CNI_CONTAINERID", "metrics-bad-netns")
-        .env("CNI_NETNS", "/dev/null")
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", &d.bin)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(conf.to_string().as_bytes())?;
-    let out = child.wait_with_output()?;
-    ensure!(
-        !out.status.success(),
-        "ADD into /dev/null succeeded: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    Ok(())
 }
 
 #[test]
@@ -122,12 +104,15 @@ fn agent_counts_and_times_the_plugins_adds_and_dels() -> Result<()> {
         node.remove_pod(&p)?;
         chain_del += t.elapsed();
     }
-    failing_add(&d, &entry)?;
+    agent_support::failing_add(&d, &entry, "metrics-bad-netns")?;
 
     let want = |s: &BTreeMap<String, f64>| {
         ops(s, "ADD", "ok") == PODS as f64
             && ops(s, "DEL", "ok") == 2.0
             && ops(s, "ADD", "error") == 1.0
+            // The failure says which CNI error it was; a success carries no code.
+            && error_codes(s, "ADD").len() == 1
+            && error_codes(s, "ADD").iter().all(|c| c.parse::<u32>().is_ok_and(|c| c > 0))
     };
     wait_until("the counts in /metrics", Duration::from_secs(5), || {
         Ok(want(&samples(&agent)?))

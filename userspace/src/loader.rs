@@ -348,6 +348,7 @@ fn load_inner(
         })?;
     }
     sys::failpoint("load:after-links");
+    write_build_marker(layout, &build_marker(object))?;
     // On every load, not only the one that replaced the map: a load that stopped after the
     // replacement leaves the next one nothing to notice.
     reseed_counters(layout)?;
@@ -571,6 +572,73 @@ pub fn missing_pins(layout: &PinLayout) -> Vec<PathBuf> {
         .collect()
 }
 
+/// The name of the build marker for `object` loaded by this build: `<version>-<hash>`, the
+/// crate's version (bpffs refuses `.` in names, so `0.9.0` reads `0_9_0`) and 12 hex digits of
+/// the object's FNV-1a hash (the object can differ within one version: `bpf-object`, a dev
+/// build). FNV, not std's hasher, because another build of the same object must name it alike.
+pub fn build_marker(object: &[u8]) -> String {
+    let version: String = env!("CARGO_PKG_VERSION")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let hash = object.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{version}-{:012x}", hash >> 16)
+}
+
+/// The build marker under `layout`, if any: `Ok(None)` for a pin root loaded by a build older
+/// than the marker (or not loaded at all).
+pub fn pinned_build(layout: &PinLayout) -> std::io::Result<Option<String>> {
+    let entries = match fs::read_dir(layout.build_dir()) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    // Two only if a load died between making the new one and removing the old: either may run.
+    names.sort();
+    Ok(names.pop())
+}
+
+/// Marks the pin root as loaded by `name` ([`build_marker`]), the last step of a load or upgrade:
+/// an empty directory (bpffs takes directories, and an empty one changes no BPF object), the
+/// older marker removed after the new one exists.
+fn write_build_marker(layout: &PinLayout, name: &str) -> Result<(), LoadError> {
+    let dir = layout.build_dir();
+    let marker = dir.join(name);
+    let pin_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LoadError::Pin { path, source }
+    };
+    mkdir_private(&dir)?;
+    // Private as every pin (tests/tests/permissions.rs).
+    match fs::DirBuilder::new().mode(0o700).create(&marker) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(pin_err(&marker)(e));
+        }
+        _ => {}
+    }
+    for e in fs::read_dir(&dir).map_err(pin_err(&dir))?.flatten() {
+        if e.file_name() != name {
+            fs::remove_dir(e.path()).map_err(|source| LoadError::Unpin {
+                path: e.path(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Detaches every pinned link and removes every pin under `pin_root`. Idempotent.
 pub fn unload(pin_root: &Path) -> Result<(), LoadError> {
     require_root()?;
@@ -592,4 +660,36 @@ pub fn unload(pin_root: &Path) -> Result<(), LoadError> {
         source,
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The marker is plain directories, so a plain temporary directory stands in for bpffs.
+    #[test]
+    fn the_build_marker_names_the_build_and_replaces_the_last() {
+        let a = build_marker(b"object a");
+        let b = build_marker(b"object b");
+        assert_ne!(a, b);
+        assert_eq!(a, build_marker(b"object a"));
+        let (version, hash) = a.rsplit_once('-').unwrap();
+        assert_eq!(version, env!("CARGO_PKG_VERSION").replace('.', "_"));
+        assert_eq!(hash.len(), 12);
+        assert!(!a.contains('.'), "bpffs refuses dots: {a}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let layout = PinLayout::new(dir.path().join("sidestep"));
+        assert_eq!(pinned_build(&layout).unwrap(), None);
+        write_build_marker(&layout, &a).unwrap();
+        assert_eq!(pinned_build(&layout).unwrap().as_deref(), Some(a.as_str()));
+        write_build_marker(&layout, &b).unwrap();
+        write_build_marker(&layout, &b).unwrap();
+        assert_eq!(pinned_build(&layout).unwrap().as_deref(), Some(b.as_str()));
+        assert_eq!(fs::read_dir(layout.build_dir()).unwrap().count(), 1);
+        let mode = fs::metadata(layout.build_dir().join(&b)).unwrap().mode();
+        assert_eq!(mode & 0o077, 0, "{mode:o}");
+        // Older loads have no marker, and a complete load does not need one.
+        assert!(!missing_pins(&layout).contains(&layout.build_dir()));
+    }
 }

@@ -4,6 +4,7 @@
 //! <pin_root>/maps/<MAP_NAME>       every map
 //! <pin_root>/progs/<program_name>  every program
 //! <pin_root>/links/<attach_point>  one cgroup link per program (connect4, sockops, ...)
+//! <pin_root>/build/<version>-<hash> an empty directory: the build that last loaded the programs
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -36,6 +37,11 @@ impl PinLayout {
     }
     pub fn program(&self, name: &str) -> PathBuf {
         self.progs_dir().join(name)
+    }
+    /// Holds one empty directory named after the build that last loaded or upgraded the
+    /// programs ([`crate::loader::build_marker`]): nothing else pinned says which build runs.
+    pub fn build_dir(&self) -> PathBuf {
+        self.root.join("build")
     }
     pub fn cgroup_link(&self, attach_point: &str) -> PathBuf {
         self.links_dir().join(attach_point)

@@ -721,7 +721,7 @@ pub enum PolicyError {
     /// list of thousands is never built).
     #[error(
         "{field}: more than {limit} {what}, the most one pod's lists may put in {map} \
-         (docs/OPERATIONS.md, \"Per-pod map budgets\")"
+         (docs/REFERENCE.md, \"Per-pod map budgets\")"
     )]
     TooLong {
         field: String,

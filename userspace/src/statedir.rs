@@ -73,6 +73,10 @@ mod record;
 pub mod timings;
 
 pub use index::{Index, Listing, Sharing, entry_name};
+
+/// The agent's datagram socket for the plugin's log lines, in the state directory both share:
+/// the plugin sends to it, the agent binds it and re-logs what arrives.
+pub const LOG_SOCKET_NAME: &str = "log.sock";
 pub use record::{FailOpenMarker, RECORD_FORMAT, Record, RecordSummary, SummaryPolicy};
 
 #[derive(Debug, thiserror::Error)]
@@ -448,6 +452,12 @@ impl StateDir {
                 let temporary =
                     name.starts_with('.') && name.contains(".json.") || name.contains(".json.tmp.");
                 let timings = name == timings::FILE_NAME || name == timings::ROTATED_NAME;
+                // Left by an agent that was killed: nothing binds it any more.
+                let log_socket = dir == self.root && name == LOG_SOCKET_NAME;
+                if log_socket {
+                    Self::remove(&path)?;
+                    continue;
+                }
                 if !(record || temporary || timings) || !path.is_file() {
                     continue;
                 }
@@ -551,6 +561,24 @@ mod tests {
         // No temporary files are left behind.
         let names: Vec<_> = fs::read_dir(state.root()).unwrap().flatten().collect();
         assert_eq!(names.len(), 1);
+    }
+
+    /// A killed agent leaves its log socket bound to nothing; the last step of an uninstall
+    /// must not leave the directory behind for it. Anything else foreign stays.
+    #[test]
+    fn remove_all_takes_a_stale_log_socket_and_leaves_foreign_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = StateDir::new(tmp.path().join("state"));
+        state.write_record(&record("c1")).unwrap();
+        drop(std::os::unix::net::UnixDatagram::bind(state.root().join(LOG_SOCKET_NAME)).unwrap());
+        assert_eq!(state.remove_all().unwrap(), 1);
+        assert!(!state.root().exists(), "the directory stays");
+
+        state.write_record(&record("c1")).unwrap();
+        fs::write(state.root().join("operator-notes"), "mine").unwrap();
+        state.remove_all().unwrap();
+        assert!(state.root().join("operator-notes").exists());
+        assert!(!state.root().join(LOG_SOCKET_NAME).exists());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::process::{ExitCode, ExitStatus};
 use anyhow::{Context, Result, bail};
 
 use crate::cmd;
-use crate::{build, paths, setup};
+use crate::{build, e2e, paths, setup};
 
 pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
     // Checked first: without root, setup and a full build would be wasted.
@@ -17,10 +17,16 @@ pub fn test(lint: bool, cargo_args: &[String]) -> Result<ExitCode> {
              fix: rerun as root, e.g. `sudo -E env PATH=\"$PATH\" cargo xtask test`"
         );
     }
+    // Only the host suite runs the operator's tools (the VMs run the capture suite), so they are
+    // built here rather than in prepare(), and first: a Go failure shows before a long build.
+    let helm = e2e::helm().context("building helm for tests/tests/helm_chart.rs")?;
+    let promtool = e2e::promtool().context("building promtool for tests/tests/monitoring.rs")?;
     let (object, plugin) = prepare(lint)?;
     let mut cargo = build::workspace_cargo(&object)
         .env("SIDESTEP_BIN_DIR", paths::bin_dir(false))
         .env("SIDESTEP_CNI_BIN", &plugin)
+        .env("SIDESTEP_HELM", &helm)
+        .env("SIDESTEP_PROMTOOL", &promtool)
         .arg("test");
     // cargo lets --workspace override -p, so `test -- -p foo` would
     // silently run everything.

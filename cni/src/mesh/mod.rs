@@ -54,6 +54,26 @@ pub enum SkipReason {
     ZtunnelPod,
 }
 
+impl SkipReason {
+    /// A short fixed name for the reason, which the agent counts pods by (a metric label: never
+    /// a pod's own text).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::NoKubernetesIdentity => "no-kubernetes-identity",
+            Self::AgentPod => "agent-pod",
+            Self::NamespaceExcluded(_) => "namespace-excluded",
+            // istio-init, linkerd-init, kuma-init: the mesh's own iptables init captures.
+            Self::InitContainer(n) => n,
+            Self::ProxyDisabled(_) => "proxy-disabled",
+            Self::NoProxyContainer { .. } => "no-proxy-container",
+            Self::ProxyType(_) => "proxy-type",
+            Self::InjectDisabled { .. } => "inject-disabled",
+            Self::NotInjected(_) => "not-injected",
+            Self::ZtunnelPod => "ztunnel-pod",
+        }
+    }
+}
+
 impl fmt::Display for SkipReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -150,7 +170,7 @@ fn from_policy_error(key: &str, value: &str, e: PolicyError) -> AnnotationError 
             what, limit, map, ..
         } => format!(
             "more than {limit} {what}, the most one pod's lists may put in {map}, which every \
-             pod of the node shares (docs/OPERATIONS.md, \"Per-pod map budgets\")"
+             pod of the node shares (docs/REFERENCE.md, \"Per-pod map budgets\")"
         ),
         PolicyError::OverBudget(over) => over.to_string(),
     };
@@ -198,7 +218,7 @@ fn within_budget(mesh: Mesh, pod: &PodInfo, p: &Policy) -> Result<(), Annotation
         value,
         format!(
             "the pod's lists would put {} entries in {}, more than the {} one pod may hold in \
-             this map every pod of the node shares: {} (docs/OPERATIONS.md, \"Per-pod map \
+             this map every pod of the node shares: {} (docs/REFERENCE.md, \"Per-pod map \
              budgets\")",
             over.entries,
             over.map,

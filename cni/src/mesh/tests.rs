@@ -150,6 +150,16 @@ fn istio_init_container_skips() {
 }
 
 #[test]
+fn skip_codes_are_fixed_names() {
+    // The agent counts skipped pods by these (a metric label) and warns on istio-init.
+    assert_eq!(SkipReason::InitContainer("istio-init").code(), "istio-init");
+    assert_eq!(
+        SkipReason::NamespaceExcluded("any-namespace".into()).code(),
+        "namespace-excluded"
+    );
+}
+
+#[test]
 fn istio_disable_envoy_skips() {
     let mut v = istio_pod();
     v["spec"]["containers"][1]["env"] = json!([{"name": "DISABLE_ENVOY", "value": "true"}]);

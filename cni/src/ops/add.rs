@@ -158,6 +158,7 @@ fn decide(ctx: &Ctx<'_>, resolved: Result<Resolved, Result<Uncaptured, CniError>
                 args_label(ctx),
                 source.map_or(String::new(), |s| format!(" (decided from {})", s.as_str()))
             );
+            crate::logging::agent::skipped(reason.code(), &reason.to_string());
             Decided::Done(Ok(()))
         }
         Ok(Resolved::Enrol(e)) => {

@@ -139,8 +139,8 @@ pub fn sidestep_sk_lookup(ctx: SkLookupContext) -> u32 {
     // except a loopback one where `route_localnet` is on (kube-proxy turns it on for the node,
     // and a new netns copies it): in such a pod a loopback source needs the record too.
     if has_local_source(netns_cookie, &remote, &local) {
-        let trusted_alone = v4
-            && (pod.flags & flags::ROUTE_LOCALNET == 0 || !policy::is_loopback(&remote));
+        let trusted_alone =
+            v4 && (pod.flags & flags::ROUTE_LOCALNET == 0 || !policy::is_loopback(&remote));
         // SAFETY: the value is read at once.
         let own = trusted_alone
             || unsafe { SIDESTEP_PEND.get(pending) }

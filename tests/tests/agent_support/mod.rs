@@ -542,3 +542,34 @@ pub fn refuses(env: &TestEnv, agent: &mut Agent, want: &[&str]) -> Result<String
     );
     Ok(log)
 }
+
+/// An ADD the plugin refuses (the netns is not a network namespace: CNI code 8), run as a runtime
+/// would, so that /metrics has a failure to count.
+pub fn failing_add(d: &Dirs, entry: &Value, container_id: &str) -> Result<()> {
+    let mut conf = entry.clone();
+    conf["cniVersion"] = json!("1.0.0");
+    conf["name"] = json!("test-net");
+    let mut child = std::process::Command::new(d.bin.join("sidestep"))
+        .env_clear()
+        .env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", container_id)
+        .env("CNI_NETNS", "/dev/null")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", &d.bin)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        !out.status.success(),
+        "ADD into /dev/null succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(())
+}

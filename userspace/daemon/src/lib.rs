@@ -6,5 +6,6 @@
 pub mod addrfollow;
 pub mod agent;
 pub mod check;
+pub mod cli;
 pub mod verdictlog;
 pub mod zds;

@@ -84,7 +84,7 @@ pub fn too_many_ports(field: &str) -> PolicyError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "{} would put {entries} entries in {map}, more than the {limit} one pod may hold \
-     (docs/OPERATIONS.md, \"Per-pod map budgets\")",
+     (docs/REFERENCE.md, \"Per-pod map budgets\")",
     self.listing(RuleList::field)
 )]
 pub struct OverBudget {

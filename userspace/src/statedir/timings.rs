@@ -4,7 +4,12 @@
 //!
 //! ```text
 //! ADD    ok                  1234\n   command (6), outcome (5), microseconds (18), 32 bytes
+//! ADD    e8                   870\n   a failure: `e` and its CNI error code
 //! ```
+//!
+//! The outcome is `ok`, or `e` and the CNI error code the plugin answered with (the spec's 1-99,
+//! sidestep's own from 100), for `/metrics`' `code` label. `error` (no code) is what plugins
+//! before the code wrote, and a code too long for the field; both still parse.
 //!
 //! Why a file and not a socket to the agent: an append never blocks and does not need the agent
 //! to be up, so invocations made while the agent restarts are counted when it is back. A single
@@ -39,17 +44,26 @@ pub const ROTATE_AT: u64 = 1 << 20;
 /// How many polls a rotated file is still read for.
 const DRAIN_POLLS: u8 = 5;
 
-/// The line for one invocation of `command` (`ADD`, `DEL`, ...).
-pub fn line(command: &str, ok: bool, elapsed: Duration) -> String {
+/// The line for one invocation of `command` (`ADD`, `DEL`, ...): `error` is the CNI error code
+/// it failed with, `None` when it succeeded.
+pub fn line(command: &str, error: Option<u32>, elapsed: Duration) -> String {
     let micros = u64::try_from(elapsed.as_micros())
         .unwrap_or(u64::MAX)
         .min(999_999_999_999_999_999);
-    let outcome = if ok { "ok" } else { "error" };
+    let outcome = match error {
+        None => "ok".to_owned(),
+        // The field holds 5 characters: a code past 4 digits is counted without it.
+        Some(code) if code <= MAX_CODE => format!("e{code}"),
+        Some(_) => "error".to_owned(),
+    };
     format!("{command:<6} {outcome:<5} {micros:>18}\n")
 }
 
+/// The largest error code a line carries.
+pub const MAX_CODE: u32 = 9999;
+
 /// Appends an invocation's line; never fails, never blocks on anything but the local file.
-pub fn append(state_dir: &Path, command: &str, ok: bool, elapsed: Duration) {
+pub fn append(state_dir: &Path, command: &str, error: Option<u32>, elapsed: Duration) {
     if !state_dir.is_dir() {
         return;
     }
@@ -65,21 +79,45 @@ pub fn append(state_dir: &Path, command: &str, ok: bool, elapsed: Duration) {
         return;
     }
     // One write call: a short write would split the line, and a retry could interleave.
-    let _ = f.write(line(command, ok, elapsed).as_bytes());
+    let _ = f.write(line(command, error, elapsed).as_bytes());
 }
 
-/// (command, outcome, seconds) of one line.
-pub fn parse_line(line: &str) -> Option<(&str, &str, f64)> {
+/// One line, read back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Invocation<'a> {
+    pub command: &'a str,
+    pub ok: bool,
+    /// The CNI error code of a failure; `None` for a success, and for a failure written
+    /// without one (an older plugin).
+    pub code: Option<u32>,
+    pub seconds: f64,
+}
+
+/// Parses one line.
+pub fn parse_line(line: &str) -> Option<Invocation<'_>> {
     let mut f = line.split_whitespace();
     let (command, outcome, micros) = (f.next()?, f.next()?, f.next()?);
-    if f.next().is_some()
-        || !matches!(command, "ADD" | "DEL" | "CHECK" | "GC" | "STATUS")
-        || !matches!(outcome, "ok" | "error")
-    {
+    if f.next().is_some() || !matches!(command, "ADD" | "DEL" | "CHECK" | "GC" | "STATUS") {
         return None;
     }
+    let (ok, code) = match outcome {
+        "ok" => (true, None),
+        "error" => (false, None),
+        _ => {
+            let digits = outcome.strip_prefix('e')?;
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            (false, Some(digits.parse().ok()?))
+        }
+    };
     let micros: u64 = micros.parse().ok()?;
-    Some((command, outcome, micros as f64 / 1e6))
+    Some(Invocation {
+        command,
+        ok,
+        code,
+        seconds: micros as f64 / 1e6,
+    })
 }
 
 struct Reader {
@@ -193,36 +231,51 @@ mod tests {
 
     #[test]
     fn lines_have_a_fixed_size_and_parse_back() {
-        for (c, ok, d) in [
-            ("ADD", true, Duration::from_micros(1)),
-            ("STATUS", false, Duration::from_secs(3600)),
-            ("DEL", true, Duration::MAX),
+        for (c, error, d) in [
+            ("ADD", None, Duration::from_micros(1)),
+            ("STATUS", Some(50), Duration::from_secs(3600)),
+            ("DEL", None, Duration::MAX),
+            ("CHECK", Some(MAX_CODE), Duration::ZERO),
         ] {
-            let l = line(c, ok, d);
+            let l = line(c, error, d);
             assert_eq!(l.len(), LINE_LEN, "{l:?}");
             assert!(l.ends_with('\n'));
-            let (cmd, outcome, _) = parse_line(&l).unwrap();
-            assert_eq!((cmd, outcome == "ok"), (c, ok));
+            let i = parse_line(&l).unwrap();
+            assert_eq!((i.command, i.ok, i.code), (c, error.is_none(), error));
         }
         assert_eq!(
-            line("ADD", true, Duration::from_micros(1234)),
+            line("ADD", None, Duration::from_micros(1234)),
             "ADD    ok                  1234\n"
         );
-        assert_eq!(parse_line("garbage"), None);
+        assert_eq!(
+            line("ADD", Some(8), Duration::from_micros(870)),
+            "ADD    e8                   870\n"
+        );
+        // Past the field: still a failure, without its code.
+        let long = line("ADD", Some(MAX_CODE + 1), Duration::from_micros(1));
+        assert_eq!(long.len(), LINE_LEN);
+        let i = parse_line(&long).unwrap();
+        assert_eq!((i.ok, i.code), (false, None));
+        // What plugins before the code wrote.
+        let old = parse_line("DEL    error               4000\n").unwrap();
+        assert_eq!((old.command, old.ok, old.code), ("DEL", false, None));
+        for bad in ["garbage", "ADD e 1", "ADD ex7 1", "ADD e-1 1", "ADD fail 1"] {
+            assert_eq!(parse_line(bad), None, "{bad}");
+        }
     }
 
     #[test]
     fn appends_only_into_an_existing_state_dir() {
         let dir = tempfile::tempdir().unwrap();
         let gone = dir.path().join("missing");
-        append(&gone, "ADD", true, Duration::from_millis(3));
+        append(&gone, "ADD", None, Duration::from_millis(3));
         assert!(!gone.exists());
-        append(dir.path(), "ADD", true, Duration::from_millis(3));
-        append(dir.path(), "DEL", false, Duration::from_millis(4));
+        append(dir.path(), "ADD", None, Duration::from_millis(3));
+        append(dir.path(), "DEL", Some(105), Duration::from_millis(4));
         let text = std::fs::read_to_string(dir.path().join(FILE_NAME)).unwrap();
         assert_eq!(text.len(), 2 * LINE_LEN);
         assert!(text.starts_with("ADD    ok                  3000\n"));
-        assert!(text.ends_with("DEL    error               4000\n"));
+        assert!(text.ends_with("DEL    e105                4000\n"));
         let mut tail = Tail::default();
         assert_eq!(tail.poll(dir.path()).len(), 2);
         assert_eq!(tail.poll(dir.path()).len(), 0);

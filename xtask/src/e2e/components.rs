@@ -1,7 +1,7 @@
-//! Kubernetes, etcd, containerd and the pause binary, built with Go from the module proxy into a
-//! cache outside the checkout, keyed by version, so a fresh clone on the same machine (CI's) does
-//! not rebuild them. Each build writes into a temporary directory and renames it into place, so
-//! an interrupted build never looks complete.
+//! Kubernetes, etcd, containerd and the pause binary (and, through tools.rs, helm and promtool),
+//! built with Go from the module proxy into a cache outside the checkout, keyed by version, so a
+//! fresh clone on the same machine (CI's) does not rebuild them. Each build writes into a
+//! temporary directory and renames it into place, so an interrupted build never looks complete.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -30,6 +30,8 @@ pub struct Built {
     pub etcd_bin: PathBuf,
     pub containerd_bin: PathBuf,
     pub pause: PathBuf,
+    /// The helm binary, for the helm install scenario.
+    pub helm: PathBuf,
 }
 
 impl Built {
@@ -48,6 +50,7 @@ impl Built {
                 "--version",
             ),
             ("runc", PathBuf::from("/usr/sbin/runc"), "--version"),
+            ("helm", self.helm.clone(), "version"),
         ];
         println!("\ncomponent versions");
         for (name, program, flag) in lines {
@@ -91,6 +94,7 @@ pub fn build_all() -> Result<Built> {
         etcd_bin: cached("etcd", ETCD_VERSION, build_etcd)?,
         containerd_bin: cached("containerd", CONTAINERD_VERSION, build_containerd)?,
         pause: cached("pause", PAUSE_VERSION, build_pause)?.join("pause"),
+        helm: super::tools::helm()?,
     })
 }
 
@@ -104,10 +108,25 @@ fn go_version() -> Result<String> {
 }
 
 /// `<cache>/<name>-<version>/bin`, built by `build(src, bin)` unless a complete build is there.
-fn cached(name: &str, version: &str, build: fn(&Path, &Path) -> Result<()>) -> Result<PathBuf> {
+pub(super) fn cached(
+    name: &str,
+    version: &str,
+    build: fn(&Path, &Path) -> Result<()>,
+) -> Result<PathBuf> {
     let dir = cache_root().join(format!("{name}-{version}"));
     let bin = dir.join("bin");
     let stamp = dir.join("built");
+    // Test runs of other checkouts on this machine share the cache: one builds, the others wait
+    // for it (and then find it built) instead of removing each other's half-built tree.
+    fs::create_dir_all(&dir)?;
+    let lock_path = cache_root().join(format!("{name}-{version}.lock"));
+    let lock = fs::File::create(&lock_path)
+        .with_context(|| format!("creating {}", lock_path.display()))?;
+    if lock.try_lock().is_err() {
+        println!("{name} {version}: another xtask is building it; waiting");
+        lock.lock()
+            .with_context(|| format!("locking {}", lock_path.display()))?;
+    }
     if stamp.is_file() && bin.is_dir() {
         let note = fs::read_to_string(&stamp).unwrap_or_default();
         println!(
@@ -153,10 +172,23 @@ fn go(src: &Path) -> Cmd {
 }
 
 /// `go build -trimpath -ldflags '-s -w STAMP' -o OUT PACKAGES`, timed.
-fn go_build(src: &Path, stamp: &str, out: &Path, packages: &[&str]) -> Result<()> {
+pub(super) fn go_build(src: &Path, stamp: &str, out: &Path, packages: &[&str]) -> Result<()> {
+    go_build_tagged(src, "", stamp, out, packages)
+}
+
+/// `go_build` with `-tags TAGS` (comma-separated; none when empty).
+pub(super) fn go_build_tagged(
+    src: &Path,
+    tags: &str,
+    stamp: &str,
+    out: &Path,
+    packages: &[&str],
+) -> Result<()> {
     let start = Instant::now();
     go(src)
-        .args(["build", "-trimpath", "-ldflags"])
+        .args(["build", "-trimpath"])
+        .args((!tags.is_empty()).then(|| format!("-tags={tags}")))
+        .arg("-ldflags")
         .arg(format!("-s -w {stamp}").trim())
         .arg("-o")
         .arg(out)
@@ -167,7 +199,7 @@ fn go_build(src: &Path, stamp: &str, out: &Path, packages: &[&str]) -> Result<()
     Ok(())
 }
 
-fn go_mod_tidy(src: &Path) -> Result<()> {
+pub(super) fn go_mod_tidy(src: &Path) -> Result<()> {
     let start = Instant::now();
     go(src)
         .args(["mod", "tidy"])
@@ -391,7 +423,7 @@ pub fn build_kubernetes_separately() -> Result<()> {
 
 // --- etcd, containerd, pause --------------------------------------------------------------
 
-fn write_module(
+pub(super) fn write_module(
     src: &Path,
     name: &str,
     requires: &[(&str, &str)],

@@ -262,6 +262,54 @@ data:
     Ok(dir)
 }
 
+/// The chart's values for this node: the same changes as the overlay's (image, the node's CNI,
+/// netns and state paths, the API address, the cgroup and pin root), written under
+/// `<dir>/helm/values.yaml`.
+pub fn write_helm_values(node: &Running) -> Result<PathBuf> {
+    let dir = node.layout.at("helm");
+    fs::create_dir_all(&dir)?;
+    let scratch = node.layout.dir.display().to_string();
+    let attach = super::host::join_cgroup(&cgroup2_mount()?, &node.pods_cgroup);
+    let values = format!(
+        r#"# Written by cargo xtask e2e: deploy/helm/sidestep as this node's operator would set it.
+image: {AGENT_IMAGE}
+cniBinDir: {bin}
+cniConfDir: {conf}
+cniNetnsDir: {netns}
+stateDir: {scratch}/sidestep
+ztunnelDir: {scratch}/ztunnel
+pinRoot: {PIN_ROOT}
+cgroup: /host{attach}
+env:
+  KUBERNETES_SERVICE_HOST: "127.0.0.1"
+  KUBERNETES_SERVICE_PORT: "{port}"
+config:
+  log-format: text
+  reconcile-interval: 5s
+"#,
+        bin = node.layout.cni_bin_dir().display(),
+        conf = node.layout.cni_conf_dir().display(),
+        netns = node.layout.pod_netns_dir().display(),
+        attach = attach.display(),
+        port = node.apiserver_port,
+    );
+    let file = dir.join("values.yaml");
+    fs::write(&file, values)?;
+    Ok(file)
+}
+
+/// helm with the node's kubeconfig, and its cache, config and data under the scratch directory,
+/// so that nothing of it stays on the machine.
+pub fn helm(node: &Running) -> Cmd {
+    let home = node.layout.at("helm");
+    Cmd::new(&node.built.helm)
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"))
+        .arg("--kubeconfig")
+        .arg(&node.kubectl.kubeconfig)
+}
+
 /// `kubectl apply -k` the overlay.
 pub fn apply(node: &Running, overlay: &Path) -> Result<()> {
     let out = node

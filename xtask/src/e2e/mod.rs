@@ -16,6 +16,9 @@ mod run;
 mod scenarios;
 mod state;
 mod teardown;
+mod tools;
+
+pub use tools::{helm, promtool};
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -74,6 +74,11 @@ pub struct AgentArgs {
     /// however many scrapes come [default: 5s].
     #[arg(long, env = "SIDESTEP_METRICS_MAX_AGE")]
     pub metrics_max_age: Option<String>,
+    /// Export the per-pod series of /metrics (labels namespace, pod, netns_cookie); false keeps
+    /// only the node's figures, for a Prometheus that cannot afford a series set per pod
+    /// [default: true].
+    #[arg(long, env = "SIDESTEP_METRICS_PER_POD", num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_per_pod: Option<String>,
     /// How often to reconcile pods, e.g. 30s or 2m [default: 30s].
     #[arg(long, env = "SIDESTEP_RECONCILE_INTERVAL")]
     pub reconcile_interval: Option<String>,
@@ -165,6 +170,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
         "state-dir" => a.state_dir.as_ref(),
         "listen" => a.listen.as_ref(),
         "metrics-max-age" => a.metrics_max_age.as_ref(),
+        "metrics-per-pod" => a.metrics_per_pod.as_ref(),
         "reconcile-interval" => a.reconcile_interval.as_ref(),
         "repair" => a.repair.as_ref(),
         "repair-mode" => a.repair_mode.as_ref(),
@@ -191,7 +197,7 @@ pub(super) fn cli_value<'a>(a: &'a AgentArgs, key: &str) -> Option<&'a String> {
 /// ConfigMap keys that are not flags of the agent but are read from the ConfigMap too.
 pub(super) const CONFIG_ONLY_KEYS: [&str; 1] = ["log-level"];
 
-pub(super) const KEYS: [&str; 37] = [
+pub(super) const KEYS: [&str; 38] = [
     "cni-bin-dir",
     "cni-conf-dir",
     "host-cni-conf-dir",
@@ -210,6 +216,7 @@ pub(super) const KEYS: [&str; 37] = [
     "state-dir",
     "listen",
     "metrics-max-age",
+    "metrics-per-pod",
     "reconcile-interval",
     "repair",
     "repair-mode",

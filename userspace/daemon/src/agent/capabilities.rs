@@ -2,7 +2,7 @@
 //! install, kubeconfig) is done and before any other thread exists (capabilities are per
 //! thread, and threads inherit them from their creator).
 //!
-//! What stays, and why (docs/OPERATIONS.md lists the same):
+//! What stays, and why (docs/REFERENCE.md, "Capabilities", lists the same):
 //! - `CAP_SYS_ADMIN`: `setns(2)` into pod network namespaces (netns cookies for reconcile),
 //!   `bpf(2)` on the pinned maps, links and programs (readiness, `/metrics`, GC, reloading when
 //!   the pins are gone; it also covers what `CAP_BPF` and `CAP_PERFMON` allow), and mounting bpffs

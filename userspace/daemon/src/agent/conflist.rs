@@ -338,5 +338,7 @@ pub fn remove_everywhere(
     Ok(changed)
 }
 
+pub mod competing;
+
 #[cfg(test)]
 mod tests;

@@ -1,99 +1,21 @@
 //! `/healthz` (liveness: the agent answers), `/readyz` (programs attached and CNI config in
-//! place) and `/metrics`, on hyper 1.
+//! place), `/metrics` and `/debug/pods` (the last reconcile's pods by name, for `sidestep
+//! check`), on hyper 1.
 
-use std::{
-    convert::Infallible,
-    fmt, io,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
-    sync::Arc,
-};
+use std::{convert::Infallible, io, sync::Arc};
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode, body::Incoming, service::service_fn};
 use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpSocket};
 
-use super::Agent;
+pub use super::listen::Listen;
+use super::{Agent, pods, repair};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     #[error("setting listen: cannot listen on {addr}: {source}")]
     Bind { addr: Listen, source: io::Error },
-}
-
-/// The `listen` setting: where the endpoints are served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Listen {
-    /// `:PORT`: every address of both families, as Go's `:PORT` (IPv4 alone on a host without
-    /// IPv6). A hostNetwork pod's probes and Prometheus reach it at the node's address, whatever
-    /// the cluster's IP family.
-    AllAddresses(u16),
-    /// `ADDR:PORT` or `[ADDR]:PORT`: that address only (`127.0.0.1:9964`: the node itself).
-    Addr(SocketAddr),
-}
-
-impl Listen {
-    pub const DEFAULT: Self = Self::AllAddresses(9964);
-
-    pub fn parse(v: &str) -> Result<Self, String> {
-        let bad = || {
-            format!(
-                "{v:?} is neither :PORT (every address) nor ADDRESS:PORT (e.g. 127.0.0.1:9964, \
-                 [::1]:9964)"
-            )
-        };
-        match v.strip_prefix(':') {
-            Some(port) => port.parse().map(Self::AllAddresses).map_err(|_| bad()),
-            None => v.parse().map(Self::Addr).map_err(|_| bad()),
-        }
-    }
-
-    pub fn port(&self) -> u16 {
-        match self {
-            Self::AllAddresses(port) => *port,
-            Self::Addr(a) => a.port(),
-        }
-    }
-
-    async fn bind(self) -> io::Result<TcpListener> {
-        let port = match self {
-            Self::Addr(a) => return TcpListener::bind(a).await,
-            Self::AllAddresses(port) => port,
-        };
-        match bind_dual_stack(port) {
-            // No IPv6 on this host (ipv6.disable=1): IPv4 is all there is.
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
-                ) =>
-            {
-                TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).await
-            }
-            other => other,
-        }
-    }
-}
-
-impl fmt::Display for Listen {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::AllAddresses(port) => write!(f, ":{port}"),
-            Self::Addr(a) => write!(f, "{a}"),
-        }
-    }
-}
-
-/// `[::]:port` that takes IPv4 too, whatever the host's `net.ipv6.bindv6only` says.
-fn bind_dual_stack(port: u16) -> io::Result<TcpListener> {
-    let socket = TcpSocket::new_v6()?;
-    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Ipv6V6Only, &false)
-        .map_err(io::Error::from)?;
-    // As TcpListener::bind does: a restarted agent must not wait out TIME_WAIT for its port.
-    socket.set_reuseaddr(true)?;
-    socket.bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))?;
-    socket.listen(1024)
 }
 
 fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
@@ -141,13 +63,133 @@ async fn handle(
                 body,
             )
         }
+        "/debug/pods" => {
+            let a = agent.clone();
+            match tokio::task::spawn_blocking(move || debug_pods(&a)).await {
+                Ok(p) => reply(
+                    StatusCode::OK,
+                    "application/json",
+                    serde_json::to_string_pretty(&p).unwrap_or_default() + "\n",
+                ),
+                Err(_) => reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    "naming the pods panicked\n".into(),
+                ),
+            }
+        }
         _ => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
-            "try /healthz, /readyz or /metrics\n".into(),
+            "try /healthz, /readyz, /metrics or /debug/pods\n".into(),
         ),
     };
     Ok(r)
+}
+
+/// `GET /debug/pods`: the pods of the agent's last reconcile, named where it can tell.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DebugPods {
+    /// Reconciles so far; 0: nothing below is known yet.
+    pub reconciles: u64,
+    /// With repair off the agent cannot tell a meshed pod from another, and `unenrolled` holds
+    /// every uncaptured pod netns in scope.
+    pub repair: bool,
+    pub enrolled: Vec<PodRef>,
+    /// Live pod netns that are not captured (and repair did not skip).
+    pub unenrolled: Vec<PodRef>,
+    /// Pods the plugin's ADD leaves uncaptured on purpose (repair asked it), with its reason.
+    pub skipped: Vec<PodRef>,
+    /// FAIL_OPEN markers: pods the plugin let start uncaptured.
+    pub failopen: usize,
+    /// While an uninstall drain runs: where it stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining: Option<String>,
+}
+
+/// One pod netns.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PodRef {
+    pub netns_cookie: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// `namespace/name`, when a record or the API names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// Why it is skipped, or why it has no name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Names the last report's pods: enrolled ones by their records, the others by the records
+/// too, else by their addresses among the node's pods (the watch's, else one list of the API's,
+/// as repair matches them), so that an operator reads `shop/web`, not a netns path.
+fn debug_pods(agent: &Agent) -> DebugPods {
+    let s = &agent.settings;
+    let report = agent.last_report();
+    let named: std::collections::BTreeMap<u64, String> = pods::records(&s.state_dir)
+        .into_values()
+        .filter_map(|r| match (r.pod_namespace, r.pod_name) {
+            (Some(ns), Some(n)) if !n.is_empty() => Some((r.netns_cookie, format!("{ns}/{n}"))),
+            _ => None,
+        })
+        .collect();
+    let mut node_pods = None;
+    let mut name = |l: &pods::LiveNetns| -> Result<String, String> {
+        if let Some(n) = named.get(&l.cookie) {
+            return Ok(n.clone());
+        }
+        let by_address = node_pods.get_or_insert_with(|| {
+            match (agent.pod_watch.pods(), repair::api_access(s)) {
+                (Some(watched), _) => Ok(repair::by_address(&watched)),
+                (None, Some(api)) => repair::node_pods(&api, &s.node_name),
+                (None, None) => Err("not in a cluster: no pod names".into()),
+            }
+        });
+        let by_address = by_address.as_ref().map_err(Clone::clone)?;
+        let addrs = pods::pod_addresses(l).map_err(|e| e.to_string())?;
+        let ips: Vec<_> = addrs.ips.iter().map(|(ip, _)| *ip).collect();
+        repair::match_pod(by_address, &ips).map(|p| format!("{}/{}", p.namespace, p.name))
+    };
+    let netns_ref = |l: &pods::LiveNetns, name: Result<String, String>| PodRef {
+        netns_cookie: l.cookie,
+        netns: Some(l.path.display().to_string()),
+        reason: name.as_ref().err().cloned(),
+        pod: name.ok(),
+    };
+    let unenrolled = report
+        .unenrolled
+        .iter()
+        .map(|l| netns_ref(l, name(l)))
+        .collect();
+    let skipped = report
+        .skipped
+        .iter()
+        .map(|(l, why)| PodRef {
+            reason: Some(why.clone()),
+            ..netns_ref(l, named.get(&l.cookie).cloned().ok_or_else(String::new))
+        })
+        .collect();
+    let enrolled = sidestep::maps::enrolled_cookies(&s.pin_root)
+        .into_iter()
+        .map(|cookie| PodRef {
+            netns_cookie: cookie,
+            pod: named.get(&cookie).cloned(),
+            ..PodRef::default()
+        })
+        .collect();
+    DebugPods {
+        reconciles: agent
+            .counters
+            .reconciles
+            .load(std::sync::atomic::Ordering::Relaxed),
+        repair: s.repair,
+        enrolled,
+        unenrolled,
+        skipped,
+        failopen: report.failopen,
+        draining: report.draining,
+    }
 }
 
 /// Binds now (so a bad address stops the agent at start) and serves in the background.

@@ -12,8 +12,11 @@
 //! - the agent's own work: CNI config writes, records added and removed (the plugin's ADDs and
 //!   DELs as seen in its state directory), FAIL_OPEN pods, GC, repairs, reconcile errors;
 //! - every plugin invocation, counted and timed by outcome (`sidestep_cni_operations_total`,
-//!   `sidestep_cni_operation_duration_seconds`), read from the lines the plugin appends to
-//!   `<state_dir>/timings` (see [`CniTimings`]).
+//!   with a failure's CNI error code as `code`, and `sidestep_cni_operation_duration_seconds`),
+//!   read from the lines the plugin appends to `<state_dir>/timings` (see [`CniTimings`]).
+//!
+//! `metrics-per-pod: false` leaves out the per-pod families (every series labelled with a pod)
+//! for a Prometheus that cannot afford a series set per meshed pod; the node's figures stay.
 
 use std::{
     collections::BTreeMap,
@@ -69,6 +72,8 @@ pub struct AgentCounters {
     pub untainted: std::sync::atomic::AtomicBool,
     /// The plugin's invocations, from its timing lines.
     pub cni: CniTimings,
+    /// Competing conflist entries and skipped pods (`report::Warnings`).
+    pub warnings: super::report::Warnings,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -162,26 +167,31 @@ pub struct DataPath {
     programs: Vec<ProgramStatus>,
     attachments: usize,
     pod_capacity: u32,
-    /// Every enrolled pod, with its counters summed over CPUs.
+    enrolled: usize,
+    /// Every enrolled pod, with its counters summed over CPUs; empty unless `per_pod`.
     pods: Vec<(PodLabels, PodCounters)>,
+    /// `metrics-per-pod`: export the per-pod families.
+    per_pod: bool,
     failopen: usize,
 }
 
 impl DataPath {
     /// One walk of the pod map (a per-CPU lookup per pod) and of the plugin's records. Not
     /// `status::collect`, which also scans the interface map and the pin directories for
-    /// `sidestep status`.
-    pub fn collect(pin_root: &Path, state_dir: &Path) -> Self {
+    /// `sidestep status`. Without `per_pod` it only counts the pods: no per-CPU lookups.
+    pub fn collect(pin_root: &Path, state_dir: &Path, per_pod: bool) -> Self {
         let layout = PinLayout::new(pin_root);
         let by_cookie: BTreeMap<u64, pods::Record> = pods::records(state_dir)
             .into_values()
             .map(|r| (r.netns_cookie, r))
             .collect();
-        let (pods, pod_capacity) = match PolicyMaps::open(pin_root) {
+        let (enrolled, pods, pod_capacity) = match PolicyMaps::open(pin_root) {
             Ok(maps) => {
-                let pods = maps
-                    .pods()
+                let all = maps.pods();
+                let enrolled = all.len();
+                let pods = all
                     .into_iter()
+                    .filter(|_| per_pod)
                     .map(|(cookie, _)| {
                         let record = by_cookie.get(&cookie);
                         let labels = PodLabels {
@@ -194,15 +204,17 @@ impl DataPath {
                         (labels, maps.counters(cookie))
                     })
                     .collect();
-                (pods, maps.pod_capacity)
+                (enrolled, pods, maps.pod_capacity)
             }
-            Err(_) => (Vec::new(), 0),
+            Err(_) => (0, Vec::new(), 0),
         };
         Self {
             programs: status::programs(&layout),
             attachments: status::cgroup_links(&layout).len(),
             pod_capacity,
+            enrolled,
             pods,
+            per_pod,
             failopen: pods::failopen_markers(state_dir),
         }
     }
@@ -214,14 +226,17 @@ impl DataPath {
 #[derive(Debug)]
 pub struct DataPathCache {
     max_age: Duration,
+    per_pod: bool,
     last: Mutex<Option<(Instant, Arc<DataPath>)>>,
     walks: AtomicU64,
 }
 
 impl DataPathCache {
-    pub fn new(max_age: Duration) -> Self {
+    /// `per_pod` is `metrics-per-pod`.
+    pub fn new(max_age: Duration, per_pod: bool) -> Self {
         Self {
             max_age,
+            per_pod,
             last: Mutex::new(None),
             walks: AtomicU64::new(0),
         }
@@ -234,7 +249,7 @@ impl DataPathCache {
         {
             return data.clone();
         }
-        let data = Arc::new(DataPath::collect(pin_root, state_dir));
+        let data = Arc::new(DataPath::collect(pin_root, state_dir, self.per_pod));
         self.walks.fetch_add(1, Ordering::Relaxed);
         // Aged from the walk's end: a walk slower than max_age still leaves room between walks.
         *last = Some((Instant::now(), data.clone()));
@@ -292,7 +307,7 @@ pub fn render(
         &mut reg,
         "sidestep_pods_enrolled",
         "Pods in the pod map",
-        data.pods.len() as i64,
+        data.enrolled as i64,
     );
     gauge(
         &mut reg,
@@ -412,15 +427,21 @@ pub fn render(
 
     counters.cni.poll(state_dir);
     counters.cni.register(&mut reg);
+    counters.warnings.register(&mut reg);
 
-    let families: Vec<PodFamily> = POD_COUNTERS.iter().map(|_| PodFamily::default()).collect();
-    for (labels, totals) in &data.pods {
-        for (family, (_, _, get)) in families.iter().zip(POD_COUNTERS) {
-            family.get_or_create(labels).inc_by(get(totals));
+    // Without metrics-per-pod the families are left out whole, not summed into node series: a
+    // sum over pods would drop when a pod goes, which Prometheus takes for a counter reset and
+    // counts the remaining pods' totals again in rate().
+    if data.per_pod {
+        let families: Vec<PodFamily> = POD_COUNTERS.iter().map(|_| PodFamily::default()).collect();
+        for (labels, totals) in &data.pods {
+            for (family, (_, _, get)) in families.iter().zip(POD_COUNTERS) {
+                family.get_or_create(labels).inc_by(get(totals));
+            }
         }
-    }
-    for (family, (name, help, _)) in families.into_iter().zip(POD_COUNTERS) {
-        reg.register(name, help, family);
+        for (family, (name, help, _)) in families.into_iter().zip(POD_COUNTERS) {
+            reg.register(name, help, family);
+        }
     }
 
     if bpf_stats_enabled() {
@@ -466,7 +487,9 @@ mod tests {
             netns_cookie: "42".into(),
         };
         let data = DataPath {
+            enrolled: 1,
             pods: vec![(labels, counters)],
+            per_pod: true,
             ..DataPath::default()
         };
         let dir = std::env::temp_dir();
@@ -497,5 +520,52 @@ mod tests {
             line.contains("pod=\"web-1\"") && line.ends_with(" 7"),
             "{line}"
         );
+    }
+
+    #[test]
+    fn without_per_pod_series_only_the_nodes_figures_remain() {
+        let labels = PodLabels {
+            namespace: "shop".into(),
+            pod: "web-1".into(),
+            netns_cookie: "42".into(),
+        };
+        let render_with = |per_pod: bool| {
+            let data = DataPath {
+                pod_capacity: 100,
+                enrolled: 1,
+                pods: if per_pod {
+                    vec![(labels.clone(), PodCounters::default())]
+                } else {
+                    Vec::new()
+                },
+                per_pod,
+                ..DataPath::default()
+            };
+            render(
+                &std::env::temp_dir(),
+                true,
+                &Report::default(),
+                &AgentCounters::default(),
+                &data,
+                1,
+            )
+        };
+        let on = render_with(true);
+        let off = render_with(false);
+        for (name, _, _) in POD_COUNTERS {
+            assert!(on.contains(&format!("# TYPE {name} counter")), "{on}");
+            assert!(!off.contains(name), "{name} without per-pod series:\n{off}");
+        }
+        assert!(on.contains("pod=\"web-1\""), "{on}");
+        for l in off.lines().filter(|l| !l.starts_with('#')) {
+            assert!(
+                !l.contains("pod=") && !l.contains("netns_cookie="),
+                "a per-pod series without per-pod series: {l}"
+            );
+        }
+        // The node's figures stay, the same both ways.
+        for want in ["sidestep_pods_enrolled 1", "sidestep_pod_capacity 100"] {
+            assert!(on.contains(want) && off.contains(want), "{want}:\n{off}");
+        }
     }
 }

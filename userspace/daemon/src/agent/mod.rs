@@ -21,6 +21,7 @@ pub mod capabilities;
 pub mod conflist;
 pub mod http;
 pub mod install;
+pub mod listen;
 pub mod metrics;
 pub mod plugin;
 pub mod podapi;
@@ -82,6 +83,10 @@ pub struct Agent {
     pub pod_watch: podwatch::PodWatch,
     /// Istio ambient mode: the ZDS server and what ztunnel has been handed.
     pub ambient: Option<ambient::Ambient>,
+    /// Competing plugins' entries in the conflist, as last seen (warned about once per change).
+    competing: conflist::competing::Seen,
+    /// Events posted off the loops that notice them (in a cluster).
+    pub events: podapi::Queue,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -206,8 +211,12 @@ impl Agent {
         } else {
             None
         };
+        let events = podapi::Queue::new(repair::api_access(&settings), &settings.node_name);
         let agent = Self {
-            metrics_cache: metrics::DataPathCache::new(settings.metrics_max_age),
+            metrics_cache: metrics::DataPathCache::new(
+                settings.metrics_max_age,
+                settings.metrics_per_pod,
+            ),
             settings,
             entry,
             counters: AgentCounters::default(),
@@ -221,6 +230,8 @@ impl Agent {
             reenrol: Mutex::new(recreated),
             pod_watch: podwatch::PodWatch::default(),
             ambient,
+            competing: conflist::competing::Seen::default(),
+            events,
         };
         if !uninstalled {
             agent.install_binary()?;
@@ -296,6 +307,12 @@ impl Agent {
             });
             *lock(&self.network) = net;
         }
+        conflist::competing::check(
+            &self.competing,
+            &self.counters.warnings,
+            &self.events,
+            done.path(),
+        );
         if done.wrote() {
             self.counters
                 .cni_config_writes
@@ -419,6 +436,11 @@ impl Agent {
         Ok(Some((why, recreated)))
     }
 
+    /// The last reconcile's report, for `/debug/pods`.
+    pub fn last_report(&self) -> Report {
+        lock(&self.report).clone()
+    }
+
     /// The network (name, cniVersion) the entry was last put into.
     pub fn network(&self) -> Option<Network> {
         lock(&self.network).clone()
@@ -427,6 +449,9 @@ impl Agent {
     /// One step of the uninstall drain ([`uninstall`]): the conflist entry stays removed, dead
     /// pods are collected, and everything goes after the last pod that needs it.
     fn drain(&self) -> Report {
+        // The plugin's log socket would keep the state directory from being removed at the
+        // drain's end; the plugin's lines go to its own stderr meanwhile.
+        plugin::log::unbind(&self.settings.state_dir);
         let report = self.drain_step();
         for e in &report.errors {
             tracing::warn!(error = %e, "uninstall drain");

@@ -1,5 +1,8 @@
 //! Running the installed plugin as a runtime would, for the agent's repair of pods that run
-//! uncaptured: the configuration it is given, and the process itself.
+//! uncaptured: the configuration it is given, and the process itself; and what every
+//! invocation of the plugin tells the agent ([`log`]).
+
+pub mod log;
 
 use std::{
     io::Write as _,

@@ -57,6 +57,12 @@ pub enum Reason {
     LabelledUncaptured,
     /// Repair could not enrol it.
     RepairFailed,
+    /// The plugin left it uncaptured: it has Istio's `istio-init` init container, so Istio's
+    /// iptables captures it, not sidestep.
+    IstioInitPresent,
+    /// On the Node: the CNI configuration sidestep chains into also has an `istio-cni` entry,
+    /// so both would capture its pods.
+    CompetingCniEntry,
 }
 
 impl Reason {
@@ -68,6 +74,8 @@ impl Reason {
             Self::DeletedUncaptured => "SidestepDeletedUncaptured",
             Self::LabelledUncaptured => "SidestepLabelledUncaptured",
             Self::RepairFailed => "SidestepRepairFailed",
+            Self::IstioInitPresent => "IstioInitPresent",
+            Self::CompetingCniEntry => "CompetingCniEntry",
         }
     }
 
@@ -84,11 +92,44 @@ pub fn event(
     reason: Reason,
     message: &str,
 ) -> Result<(), String> {
+    let object = json!({"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace,
+                        "name": pod.name, "uid": pod.uid});
+    post(
+        api,
+        node,
+        &pod.namespace,
+        &pod.name,
+        object,
+        reason,
+        message,
+    )
+}
+
+/// Records an Event on the Node `node` itself, as kubelet does: in `default`, with the node's
+/// name as its UID (`kubectl describe node` looks its Events up so).
+pub fn node_event(
+    api: &ApiAccess,
+    node: &str,
+    reason: Reason,
+    message: &str,
+) -> Result<(), String> {
+    let object = json!({"apiVersion": "v1", "kind": "Node", "name": node, "uid": node});
+    post(api, node, "default", node, object, reason, message)
+}
+
+fn post(
+    api: &ApiAccess,
+    node: &str,
+    namespace: &str,
+    name: &str,
+    object: serde_json::Value,
+    reason: Reason,
+    message: &str,
+) -> Result<(), String> {
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let event: Event = serde_json::from_value(json!({
-        "metadata": {"generateName": format!("{}.", pod.name), "namespace": pod.namespace},
-        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace,
-                           "name": pod.name, "uid": pod.uid},
+        "metadata": {"generateName": format!("{name}."), "namespace": namespace},
+        "involvedObject": object,
         "reason": reason.as_str(),
         "message": message,
         "type": if reason.warning() { "Warning" } else { "Normal" },
@@ -100,7 +141,7 @@ pub fn event(
         "count": 1,
     }))
     .map_err(|e| format!("building the event: {e}"))?;
-    let ns = pod.namespace.clone();
+    let ns = namespace.to_owned();
     block_on(api, async move |client: Client| {
         Api::<Event>::namespaced(client, &ns)
             .create(&PostParams::default(), &event)
@@ -211,4 +252,82 @@ pub fn remove_annotation_status(api: &ApiAccess, pod: &NodePod, key: &str) -> Re
             Err(e) => Err(format!("removing an annotation of pod {ns}/{name}: {e}")),
         },
     )
+}
+
+/// What an Event of the [`Queue`] is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Subject {
+    /// A pod; an empty UID is read from the API before posting.
+    Pod(NodePod),
+    /// This node.
+    Node,
+}
+
+type Queued = (Subject, Reason, String);
+
+/// Events posted from a thread of their own, so that a slow or absent API server never holds up
+/// the loop that noticed something (the CNI configuration's watch, the plugin's log). A full
+/// queue drops the Event: the log line and the metric that go with each one still say it.
+#[derive(Debug, Default)]
+pub struct Queue {
+    /// The agent's credentials and node; `None` outside a cluster (nothing is posted).
+    to: Option<(ApiAccess, String)>,
+    /// Started at the first Event, never before: capabilities are per thread, and a thread made
+    /// before the agent drops its own would keep them all.
+    tx: std::sync::OnceLock<Option<std::sync::mpsc::SyncSender<Queued>>>,
+}
+
+/// Events waiting at most; a burst beyond it (a rollout of many pods at once) loses the rest.
+const QUEUE_LEN: usize = 256;
+
+impl Queue {
+    /// A queue posting with `api` as the agent on `node`; without either, one that drops
+    /// everything (not in a cluster).
+    pub fn new(api: Option<ApiAccess>, node: &str) -> Self {
+        Self {
+            to: api
+                .filter(|_| !node.is_empty())
+                .map(|a| (a, node.to_owned())),
+            tx: std::sync::OnceLock::new(),
+        }
+    }
+
+    fn start(&self) -> Option<std::sync::mpsc::SyncSender<Queued>> {
+        let (api, node) = self.to.clone()?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Queued>(QUEUE_LEN);
+        let spawned = std::thread::Builder::new()
+            .name("events".into())
+            .spawn(move || {
+                for (subject, reason, message) in rx {
+                    let done = match subject {
+                        Subject::Node => node_event(&api, &node, reason, &message),
+                        Subject::Pod(mut pod) => {
+                            if pod.uid.is_empty() {
+                                pod.uid = uid(&api, &pod.namespace, &pod.name).unwrap_or_default();
+                            }
+                            event(&api, &node, &pod, reason, &message)
+                        }
+                    };
+                    if let Err(e) = done {
+                        tracing::warn!(error = %e, "could not record an event");
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread for Events: none is recorded");
+                None
+            }
+        }
+    }
+
+    /// Queues an Event; never waits.
+    pub fn post(&self, subject: Subject, reason: Reason, message: String) {
+        if let Some(tx) = self.tx.get_or_init(|| self.start())
+            && tx.try_send((subject, reason, message)).is_err()
+        {
+            tracing::debug!(reason = reason.as_str(), "the Event queue is full: dropped");
+        }
+    }
 }

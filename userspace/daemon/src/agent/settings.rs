@@ -18,7 +18,7 @@ use serde_json::Value;
 pub use super::args::AgentArgs;
 use super::{
     args::{CONFIG_ONLY_KEYS, KEYS, cli_value, env_name},
-    http::Listen,
+    listen::Listen,
     template::{self, PluginTemplate},
 };
 use sidestep::{mounts, pins::DEFAULT_PIN_ROOT, policy::Policy};
@@ -77,6 +77,8 @@ pub struct Settings {
     /// How old the data-path figures of /metrics may be: the pod map is walked at most once
     /// per this, whatever the number of scrapes.
     pub metrics_max_age: Duration,
+    /// Whether /metrics has per-pod series; off, only the node's figures (cardinality).
+    pub metrics_per_pod: bool,
     pub reconcile_interval: Duration,
     pub repair: bool,
     /// What repair does with a pod that should be captured and is not.
@@ -502,6 +504,7 @@ impl Settings {
                 || Ok(Duration::from_secs(5)),
                 parse_duration,
             )?,
+            metrics_per_pod: r.boolean("metrics-per-pod", true)?,
             reconcile_interval: r.parse(
                 "reconcile-interval",
                 || Ok(Duration::from_secs(30)),

@@ -45,7 +45,7 @@ pub enum Mode {
 const DRAIN_FILE: &str = "draining";
 
 /// What still holds a drain back.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Draining {
     /// Pods still enrolled: they keep their capture.
     pub enrolled: usize,
@@ -85,7 +85,7 @@ pub enum UninstallError {
 }
 
 /// What was removed, for the operator.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, serde::Serialize)]
 pub struct Removed {
     pub conf_files: Vec<PathBuf>,
     pub binary: Option<PathBuf>,

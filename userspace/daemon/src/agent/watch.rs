@@ -22,10 +22,22 @@ use super::{
     pods,
 };
 
+/// Whether an event in a watched directory may have changed a file. Opening and closing a file
+/// without writing it does not; and each loop reads the files it watches, so poking on those
+/// would wake it again after every look of its own, for ever.
+fn may_change(event: &notify::Event) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        _ => true,
+    }
+}
+
 /// A watcher on `dir` that pokes `tx` (coalescing: one pending poke is enough).
 fn watcher(dir: &Path, tx: mpsc::Sender<()>) -> notify::Result<notify::RecommendedWatcher> {
     let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
+        if res.as_ref().is_ok_and(may_change) {
             let _ = tx.try_send(());
         }
     })?;
@@ -248,6 +260,8 @@ async fn reconcile_loop(agent: Arc<Agent>, mut pods_changed: mpsc::Receiver<()>)
 }
 
 pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
+    // Before anything can report ready: the plugin's lines from the first ADDs are read.
+    super::plugin::log::spawn(agent.clone())?;
     let bound = super::http::serve(agent.clone(), agent.settings.listen).await?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
     let mut term = signal(SignalKind::terminate())?;
@@ -287,9 +301,33 @@ pub async fn run(agent: Arc<Agent>) -> anyhow::Result<()> {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     };
+    super::plugin::log::unbind(&agent.settings.state_dir);
     tracing::info!(
         signal = sig,
         "stopping; programs, pins and the CNI configuration stay in place (`sidestep uninstall` removes them)"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{AccessKind, AccessMode, CreateKind, EventKind, ModifyKind};
+
+    use super::*;
+
+    #[test]
+    fn reading_a_watched_file_pokes_no_one() {
+        let ev = |kind| notify::Event::new(kind);
+        assert!(!may_change(&ev(EventKind::Access(AccessKind::Open(
+            AccessMode::Any
+        )))));
+        assert!(!may_change(&ev(EventKind::Access(AccessKind::Close(
+            AccessMode::Read
+        )))));
+        assert!(may_change(&ev(EventKind::Access(AccessKind::Close(
+            AccessMode::Write
+        )))));
+        assert!(may_change(&ev(EventKind::Create(CreateKind::File))));
+        assert!(may_change(&ev(EventKind::Modify(ModifyKind::Any))));
+    }
 }

@@ -1,4 +1,4 @@
-use std::fs;
+use std::{fs, path::Path};
 
 use super::*;
 
@@ -54,6 +54,24 @@ fn a_nearly_full_pod_map_fails() {
     assert!(fill(89, 100).is_ok());
     assert!(fill(90, 100).is_err());
     assert!(fill(0, 0).is_err());
+}
+
+#[test]
+fn another_build_fails_and_no_marker_warns() {
+    assert!(
+        items::build_matches(Some("0_1_0-aaa"), "0_1_0-aaa")
+            .unwrap()
+            .is_ok()
+    );
+    let (line, hint) = items::build_matches(Some("0_1_0-bbb"), "0_1_0-aaa")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        line.contains("0_1_0-bbb") && line.contains("0_1_0-aaa"),
+        "{line}"
+    );
+    assert!(hint.contains("rollout"), "{hint}");
+    assert!(items::build_matches(None, "0_1_0-aaa").is_none());
 }
 
 #[test]

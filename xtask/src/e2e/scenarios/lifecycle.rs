@@ -118,8 +118,8 @@ fn restart_and_roll(node: &Running, started: Instant) -> Result<(f64, f64)> {
     Ok((restarted, started.elapsed().as_secs_f64()))
 }
 
-/// The agent's pods, each as `jsonpath` (a `{range .items[*]}` body) prints it.
-fn agent_pods(k: &Kubectl, jsonpath: &str) -> Result<String> {
+/// The agent's pods, each as `jsonpath` (a `{range .items[*]}` body) prints it, one a line.
+pub(super) fn agent_pods(k: &Kubectl, jsonpath: &str) -> Result<String> {
     k.run(&[
         "get",
         "pods",
@@ -217,11 +217,10 @@ pub(super) fn linkerd_preset(node: &Running) -> Result<String> {
     ))
 }
 
-/// The uninstall of deploy/README.md: `uninstall-requested` in the ConfigMap, then
-/// `kubectl delete -k` (the agent's preStop runs `sidestep uninstall --if-requested`).
-pub(super) fn uninstall(node: &Running) -> Result<String> {
-    let k = &node.kubectl;
-    k.run(&[
+/// `uninstall-requested: "true"` in the ConfigMap, waited for until the agent's own volume
+/// shows it (kubelet syncs ConfigMap volumes with a delay).
+pub(super) fn request_uninstall(node: &Running) -> Result<()> {
+    node.kubectl.run(&[
         "patch",
         "configmap",
         "-n",
@@ -232,24 +231,14 @@ pub(super) fn uninstall(node: &Running) -> Result<String> {
         "-p",
         r#"{"data":{"uninstall-requested":"true"}}"#,
     ])?;
-    // preStop reads the ConfigMap volume: wait for kubelet to refresh it (deploy/README.md
-    // tells the operator to wait 90 s), seen from the host in kubelet's pod volume dir.
-    let pods_dir = node.layout.kubelet_root().join("pods");
-    k.poll(
-        "uninstall-requested in the agent's volume",
-        Duration::from_secs(120),
-        |_| {
-            for pod in fs::read_dir(&pods_dir)? {
-                let file = pod?
-                    .path()
-                    .join("volumes/kubernetes.io~configmap/config/uninstall-requested");
-                if fs::read_to_string(&file).is_ok_and(|v| v.trim() == "true") {
-                    return Ok(true);
-                }
-            }
-            Ok(false)
-        },
-    )?;
+    uninstall_requested_seen(node)
+}
+
+/// The uninstall of deploy/README.md: `uninstall-requested` in the ConfigMap, then
+/// `kubectl delete -k` (the agent's preStop runs `sidestep uninstall --if-requested`).
+pub(super) fn uninstall(node: &Running) -> Result<String> {
+    let k = &node.kubectl;
+    request_uninstall(node)?;
     // The agent drains: its entry leaves the conflist, the meshed pods keep their capture and
     // the plugin stays for their DEL.
     k.poll(
@@ -341,6 +330,61 @@ pub(super) fn uninstall(node: &Running) -> Result<String> {
         "--wait=true",
         "--timeout=90s",
     ])?;
+    let left = leftovers(node)?;
+    let deleted_in = deleting.elapsed().as_secs_f64();
+    if let Ok(mut w) = watcher {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    ensure!(
+        left.is_empty(),
+        "left after uninstall: {} (delete -k took {deleted_in:.0} s); events while deleting:\n{}",
+        left.join(", "),
+        fs::read_to_string(&events_file).unwrap_or_default()
+    );
+    k.run(&[
+        "delete",
+        "pod",
+        "-n",
+        MESH,
+        "after",
+        "--wait=true",
+        "--timeout=60s",
+    ])
+    .context("deleting the pod made during the drain")?;
+    Ok(format!(
+        "drain: entry removed, `server` still captured, meshed `after` not enrolled; {} older \
+         pods deleted, then everything removed by the agent in {drained_in:.0} s; nothing left \
+         after delete -k",
+        old.len()
+    ))
+}
+
+/// Wait until the agent's ConfigMap volume has uninstall-requested=true: preStop and the agent
+/// read the volume, which kubelet refreshes at a pod's sync (deploy/README.md tells the
+/// operator to wait 90 s), seen from the host in kubelet's pod volume dir.
+pub(super) fn uninstall_requested_seen(node: &Running) -> Result<()> {
+    let k = &node.kubectl;
+    // The running agents' own pod directories: those of agents already gone may still be there.
+    let uids = agent_pods(k, "{.metadata.uid}")?;
+    let pods_dir = node.layout.kubelet_root().join("pods");
+    k.poll(
+        "uninstall-requested in the agent's volume",
+        Duration::from_secs(120),
+        |_| {
+            Ok(uids.split_whitespace().any(|uid| {
+                let file = pods_dir
+                    .join(uid)
+                    .join("volumes/kubernetes.io~configmap/config/uninstall-requested");
+                fs::read_to_string(&file).is_ok_and(|v| v.trim() == "true")
+            }))
+        },
+    )
+}
+
+/// What sidestep left on the node: its conflist entry, plugin, kubeconfig, pins, programs on
+/// the pod cgroup or the cgroup2 root, and records. Empty after a complete uninstall.
+pub(super) fn leftovers(node: &Running) -> Result<Vec<String>> {
     let mut left: Vec<String> = Vec::new();
     if super::sidecar::chained_types(node)?
         .iter()
@@ -371,38 +415,12 @@ pub(super) fn uninstall(node: &Running) -> Result<String> {
         .map(|e| e.path().display().to_string())
         .collect();
     left.extend(records);
-    let deleted_in = deleting.elapsed().as_secs_f64();
-    if let Ok(mut w) = watcher {
-        let _ = w.kill();
-        let _ = w.wait();
-    }
-    ensure!(
-        left.is_empty(),
-        "left after uninstall: {} (delete -k took {deleted_in:.0} s); events while deleting:\n{}",
-        left.join(", "),
-        fs::read_to_string(&events_file).unwrap_or_default()
-    );
-    k.run(&[
-        "delete",
-        "pod",
-        "-n",
-        MESH,
-        "after",
-        "--wait=true",
-        "--timeout=60s",
-    ])
-    .context("deleting the pod made during the drain")?;
-    Ok(format!(
-        "drain: entry removed, `server` still captured, meshed `after` not enrolled; {} older \
-         pods deleted, then everything removed by the agent in {drained_in:.0} s; nothing left \
-         after delete -k",
-        old.len()
-    ))
+    Ok(left)
 }
 
 /// Pods with a network namespace of their own (not hostNetwork), outside sidestep's namespace:
 /// (namespace, name).
-fn pods_with_netns(node: &Running) -> Result<Vec<(String, String)>> {
+pub(super) fn pods_with_netns(node: &Running) -> Result<Vec<(String, String)>> {
     let text = node.kubectl.run(&["get", "pods", "-A", "-o", "json"])?;
     let list: serde_json::Value = serde_json::from_str(&text)?;
     Ok(list["items"]

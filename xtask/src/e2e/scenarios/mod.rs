@@ -3,6 +3,7 @@
 
 mod ambient;
 mod gate;
+mod helm;
 
 pub use gate::{create_gated_pod, taint_node};
 mod lifecycle;
@@ -143,10 +144,17 @@ pub fn run_all(node: &Running, report: &mut Report) {
         "6. Linkerd preset: a Linkerd-injected pod is captured",
         || lifecycle::linkerd_preset(node),
     );
-    report.check(
+    let uninstalled = report.check(
         "5. uninstall: a drain keeps running pods captured, then nothing is left",
         || lifecycle::uninstall(node),
     );
+    // On the node the uninstall left clean: a failed uninstall would fail this one too.
+    if uninstalled {
+        report.check(
+            "9. helm install: a meshed pod enrolled, helm uninstall leaves nothing",
+            || helm::install_and_uninstall(node),
+        );
+    }
 }
 
 pub(super) fn manifests(node: &Running) -> PathBuf {

@@ -39,7 +39,28 @@ fn defaults_resolve() {
     assert_eq!(s.log_level, "info");
     assert_eq!(s.listen, Listen::AllAddresses(9964));
     assert_eq!(s.metrics_max_age, Duration::from_secs(5));
+    assert!(s.metrics_per_pod);
     assert_eq!(s.late_address_budget, 4096);
+}
+
+#[test]
+fn metrics_per_pod_from_the_configmap_and_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let cm = dir.path().join("cm");
+    fs::create_dir(&cm).unwrap();
+    fs::write(cm.join("metrics-per-pod"), "false\n").unwrap();
+    let mut args = base(dir.path());
+    args.config = Some(cm.clone());
+    assert!(!Settings::resolve(&args, None).unwrap().metrics_per_pod);
+    // `--metrics-per-pod` alone (clap's default_missing_value) wins over the ConfigMap.
+    args.metrics_per_pod = Some("true".into());
+    assert!(Settings::resolve(&args, None).unwrap().metrics_per_pod);
+    args.metrics_per_pod = Some("some".into());
+    let e = err(&args);
+    assert!(
+        e.contains("setting metrics-per-pod (--metrics-per-pod or SIDESTEP_METRICS_PER_POD)"),
+        "{e}"
+    );
 }
 
 #[test]
