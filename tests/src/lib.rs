@@ -29,6 +29,7 @@ pub mod haproxy;
 pub mod istio_ambient;
 pub mod istio_iptables;
 pub mod istio_nftables;
+pub mod loadgen;
 pub mod net;
 pub mod netns;
 pub mod nginx;

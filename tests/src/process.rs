@@ -114,6 +114,36 @@ impl ChildGuard {
         fs::read_to_string(&self.stdout_path).unwrap_or_default()
     }
 
+    /// The first `n` lines of stdout, each a JSON value, waiting up to `within` for them (a
+    /// `probe proxy` reporting to `-` prints one per connection).
+    pub fn stdout_json_lines(
+        &self,
+        n: usize,
+        within: std::time::Duration,
+    ) -> Result<Vec<serde_json::Value>> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let text = self.stdout();
+            let lines: Vec<&str> = text.lines().collect();
+            if lines.len() >= n {
+                return lines[..n]
+                    .iter()
+                    .map(|l| {
+                        serde_json::from_str(l)
+                            .with_context(|| format!("{} printed {l:?}", self.label))
+                    })
+                    .collect();
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "{} printed {} of {n} lines: {text:?}",
+                self.label,
+                lines.len()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
     /// Everything written to stderr so far.
     pub fn stderr(&self) -> String {
         fs::read_to_string(&self.stderr_path).unwrap_or_default()

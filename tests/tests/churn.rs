@@ -22,7 +22,7 @@ use std::{
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 use sidestep_tests::{
-    ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv, haproxy, sidestep::Loaded,
+    ChildGuard, Node, NodeOptions, PodOptions, Spawn, TestEnv, haproxy, loadgen, sidestep::Loaded,
     skip_unless_root, wait_listening,
 };
 
@@ -367,18 +367,7 @@ fn original_destination_state_is_bounded() -> Result<()> {
     let loaded = Loaded::load(&env)?;
     loaded.enroll(&client, &[])?;
     let pin_root = loaded.pin_root().to_path_buf();
-    let start_echo = || -> Result<ChildGuard> {
-        let mut echo = client.spawn(
-            &env,
-            Spawn::new(&[probe(), "origdst-echo", "127.0.0.1:15001"]).user(PROXY_UID, PROXY_UID),
-        )?;
-        wait_listening(
-            &mut echo,
-            &["127.0.0.1:15001".parse()?],
-            Duration::from_secs(10),
-        )?;
-        Ok(echo)
-    };
+    let start_echo = || loadgen::origdst_echo(&env, &client, probe(), PROXY_UID);
     let mut echo = start_echo()?;
 
     let (n, deadline_ms): (u64, u64) = if full() {
@@ -388,28 +377,15 @@ fn original_destination_state_is_bounded() -> Result<()> {
     };
     // The bound is a rate on a real CPU; under emulation (xtask's VMs) it scales.
     let deadline_ms = deadline_ms * u64::from(sidestep_tests::time_scale());
-    let base = format!("{}:10000", sink.ipv4);
-    let n_s = n.to_string();
-    let deadline_s = deadline_ms.to_string();
-    let out = client.run_with(
-        &env,
-        Spawn::new(&[
-            probe(),
-            "connect-many",
-            &base,
-            &n_s,
-            "--threads",
-            "4",
-            "--ports",
-            "1000",
-            "--deadline-ms",
-            &deadline_s,
-        ])
-        .user(APP_UID, APP_UID),
-        Duration::from_millis(deadline_ms + 30_000),
-    )?;
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("connect-many said {out:?}"))?;
+    let v = loadgen::ConnectMany {
+        probe: probe(),
+        uid: APP_UID,
+        base: format!("{}:10000", sink.ipv4),
+        connections: n,
+        deadline: Duration::from_millis(deadline_ms),
+        hold_first: None,
+    }
+    .run(&env, &client)?;
     let pend_right_after = map_entries(&pin_root, "SIDESTEP_PEND")?;
     ensure!(
         v["done"] == n,
@@ -448,8 +424,9 @@ fn original_destination_state_is_bounded() -> Result<()> {
     // A reused 4-tuple: the client binds one source port (SO_REUSEADDR) and connects to a new
     // destination each time; after redirection every attempt is the same 4-tuple
     // (127.0.0.1:PORT -> 127.0.0.1:15001), so a stale entry would answer with an old destination.
-    // Odd rounds connect while nothing listens (refused: the pending entry must go with the
-    // socket, and the next round must not get it).
+    // Odd rounds connect while nothing listens (refused: nobody claims the pending entry, which
+    // stays until the next connection on its 4-tuple overwrites it, as a conntrack entry would;
+    // the next round must not get it, and its claim leaves the map empty again).
     let src = "0.0.0.0:41234";
     let mut rounds = Vec::new();
     for round in 0..6u16 {
@@ -486,12 +463,16 @@ fn original_destination_state_is_bounded() -> Result<()> {
             );
         }
         let pend = map_entries(&pin_root, "SIDESTEP_PEND")?;
-        ensure!(pend == 0, "round {round}: {pend} pending entries left");
+        let unclaimed = usize::from(refused);
+        ensure!(
+            pend <= unclaimed,
+            "round {round}: {pend} pending entries left (at most {unclaimed})"
+        );
         rounds.push(if refused { "refused".to_string() } else { dst });
     }
     eprintln!(
         "churn: reused 4-tuple 127.0.0.1:41234 -> 127.0.0.1:15001, rounds {rounds:?}: every accepted \
-         round saw its own destination, SIDESTEP_PEND 0 after each"
+         round saw its own destination, SIDESTEP_PEND 0 after each (1 after a refused one)"
     );
     Ok(())
 }

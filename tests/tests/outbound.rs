@@ -456,7 +456,7 @@ fn original_destination_outlives_the_client_but_not_its_tuple() -> Result<()> {
         redirected["local"] == "127.0.0.1:47123" && redirected["peer"] == target,
         "{redirected}"
     );
-    let first = proxy_lines(&proxy, 1, accept_after * 4)?;
+    let first = proxy.stdout_json_lines(1, accept_after * 4)?;
     ensure!(
         first[0]["peer"] == "127.0.0.1:47123" && first[0]["orig_v4"]["addr"] == target,
         "the proxy accepted after the app closed and lost its destination: {}",
@@ -465,36 +465,11 @@ fn original_destination_outlives_the_client_but_not_its_tuple() -> Result<()> {
     // The same 4-tuple, straight to the proxy's port.
     let direct = connect("127.0.0.1:15001", &["--read", "--linger0"])?;
     ensure!(direct["local"] == "127.0.0.1:47123", "{direct}");
-    let lines = proxy_lines(&proxy, 2, Duration::from_secs(5))?;
+    let lines = proxy.stdout_json_lines(2, Duration::from_secs(5))?;
     ensure!(
         lines[1]["peer"] == "127.0.0.1:47123" && lines[1]["orig_v4"]["errno"] == 2,
         "a direct connection on a redirected connection's 4-tuple got its destination: {}",
         lines[1]
     );
     Ok(())
-}
-
-/// The first `n` report lines of a `probe proxy` writing to stdout, waiting up to `within`.
-fn proxy_lines(
-    proxy: &sidestep_tests::process::ChildGuard,
-    n: usize,
-    within: Duration,
-) -> Result<Vec<Value>> {
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        let text = proxy.stdout();
-        let lines: Vec<&str> = text.lines().collect();
-        if lines.len() >= n {
-            return lines[..n]
-                .iter()
-                .map(|l| serde_json::from_str(l).with_context(|| format!("proxy printed {l:?}")))
-                .collect();
-        }
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "the proxy reported {} of {n} connections: {text:?}",
-            lines.len()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }

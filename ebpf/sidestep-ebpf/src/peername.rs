@@ -2,11 +2,12 @@
 //! under iptables REDIRECT, rather than the proxy's loopback listener.
 
 use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
-use sidestep_abi::{linux, socket_side};
+use sidestep_abi::{linux, socket_side, v4_mapped};
 
 use crate::{
-    context::{store, store_ip6},
+    context::{load, load_ip6, store, store_ip6},
     maps::socket_orig_dst,
+    policy::is_loopback,
 };
 
 const ALLOW: i32 = 1;
@@ -30,6 +31,20 @@ pub fn sidestep_getpeername6(ctx: SockAddrContext) -> i32 {
 #[inline(always)]
 unsafe fn rewrite_peer(ctx: &SockAddrContext, ipv6: bool) {
     let sa = ctx.sock_addr;
+    // Every redirect rewrites the peer to a loopback proxy port, and a passthrough record (no
+    // rewrite) names the peer itself: any other peer is answered as the kernel has it, without
+    // a storage lookup (issue 38). This runs for every getpeername on the node.
+    // SAFETY: 4-byte readable context fields, read one at a time.
+    let peer = unsafe {
+        if ipv6 {
+            load_ip6(&raw const (*sa).user_ip6)
+        } else {
+            v4_mapped(load(&raw const (*sa).user_ip4))
+        }
+    };
+    if !is_loopback(&peer) {
+        return;
+    }
     // SAFETY: context pointer field.
     let sk = unsafe { (*sa).__bindgen_anon_1.sk };
     if sk.is_null() {

@@ -2,9 +2,12 @@
 //! accepted socket, and cleans up when a redirected socket closes.
 //!
 //! - TCP_CONNECT_CB (the client's SYN is about to leave; its source port is known): publish the
-//!   4-tuple in `SIDESTEP_PEND` and ask for state callbacks.
+//!   4-tuple in `SIDESTEP_PEND`. A connection rewritten to a loopback proxy port (outbound, DNS)
+//!   asks for nothing more: the proxy's accepted socket claims its entry, and one nobody claimed
+//!   (the handshake failed) is overwritten by the next captured connect on that 4-tuple, removed
+//!   by the next uncaptured one, or evicted. The other records ask for state callbacks.
 //! - PASSIVE_ESTABLISHED_CB (an accepted socket): claim a pending entry into the socket's storage.
-//! - STATE_CB to TCP_CLOSE on a redirected client: drop an entry nobody claimed.
+//! - STATE_CB to TCP_CLOSE on a socket that asked for it: drop an entry nobody claimed.
 //! - TCP_CONNECT_CB on a socket of the node's own netns to an ambient pod: record it, so the
 //!   pod's inbound capture passes it (`ambient::node_socket_record`); the app's accepted socket
 //!   (PASSIVE_ESTABLISHED_CB) drops it, or STATE_CB when the handshake fails.
@@ -26,7 +29,7 @@ use sidestep_abi::{
 
 use crate::{
     context::{load, load_ip6},
-    maps::{SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_SOCKS, socket_orig_dst},
+    maps::{SIDESTEP_LSTN, SIDESTEP_PEND, SIDESTEP_POD, SIDESTEP_SOCKS, socket_orig_dst},
 };
 
 #[sock_ops]
@@ -147,6 +150,9 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     if orig.is_null() {
         // SAFETY: forwarded from our caller.
         unsafe {
+            if forget_unclaimed_redirect(ctx) {
+                return;
+            }
             on_self_connect(ctx);
             on_node_connect(ctx);
         }
@@ -158,10 +164,49 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     let Some(key) = (unsafe { client_tuple(ctx) }) else {
         return;
     };
-    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() {
+    if SIDESTEP_PEND.insert(key, orig, 0).is_ok() && !is_claimed_by_the_proxy(orig.kind) {
         // SAFETY: forwarded from our caller.
         unsafe { ask_for_state_callbacks(ctx) };
     }
+}
+
+/// Kinds whose connection goes to a loopback proxy port, where the proxy's accepted socket
+/// claims the record. Their client asks for no state callbacks: those would run sockops at every
+/// state change of every captured connection only to delete an entry that is nearly always
+/// claimed already (issue 38).
+#[inline(always)]
+fn is_claimed_by_the_proxy(kind: u16) -> bool {
+    kind == redirect_kind::OUTBOUND || kind == redirect_kind::DNS
+}
+
+/// An uncaptured connection to a loopback address takes the 4-tuple an earlier captured one may
+/// have published and nobody claimed (its handshake failed): remove that record, or the proxy
+/// accepting this connection would report the old destination rather than netfilter's ENOENT.
+/// Only captured records have a loopback peer, so no other record is touched. Returns whether
+/// the peer is loopback (nothing else to do for such a connection).
+///
+/// # Safety
+/// `ctx` must be a live sock_ops context.
+#[inline(always)]
+unsafe fn forget_unclaimed_redirect(ctx: &SockOpsContext) -> bool {
+    // SAFETY: forwarded from our caller.
+    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
+    if !crate::policy::is_loopback(&remote) {
+        return false;
+    }
+    // SAFETY: valid sock_ops context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    // Loopback connections of the node's other namespaces are far more common than a pod's own;
+    // a lookup without the bucket lock that a delete takes sets them apart.
+    if SIDESTEP_POD.get_ptr(netns_cookie).is_none() {
+        return true;
+    }
+    let _ = SIDESTEP_PEND.remove(TupleKey::new(
+        netns_cookie,
+        (local, local_port),
+        (remote, remote_port),
+    ));
+    true
 }
 
 /// A socket of an enrolled pod connecting to one of the pod's own addresses: record its 4-tuple

@@ -36,8 +36,9 @@
 //!     counter pattern, or echo (probe/bulk.rs)
 //! probe bulk-write ADDR BYTES        write BYTES of the counter pattern as fast as possible
 //! probe ping-pong ADDR ROUNDS SIZE   SIZE bytes out and back, ROUNDS times, on one connection
-//! probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D]
-//!     N short connections to ADDR's port + i % P, each checked against an origdst-echo answer
+//! probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D] [--hold-first ADDR]
+//!     N short connections to ADDR's port + i % P, each checked against an origdst-echo answer;
+//!     with --hold-first, one connection kept open throughout and its getpeername reported
 //! probe istio-validate [--v6] [--timeout-ms N]    Istio's istio-validation (exit 0 or 126)
 //! probe linkerd-validate LISTEN CONNECT [--timeout-ms N]
 //!                                    Linkerd's linkerd-network-validator (exit 0 or 95)
@@ -281,6 +282,7 @@ fn main() {
                 num("--threads", 4),
                 num("--ports", 1),
                 Duration::from_millis(num("--deadline-ms", 30_000)),
+                option("--hold-first").map(parse),
             )
         }
         Some("ztunnel") => ztunnel::run(std::path::Path::new(

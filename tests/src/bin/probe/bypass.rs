@@ -351,18 +351,29 @@ pub(super) fn origdst_echo(addrs: &[SocketAddr]) -> i32 {
     0
 }
 
-/// `probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D]`: N short connections
-/// (T threads), the i-th to ADDR's port + i % P (so consecutive connections have different
-/// original destinations), each expecting an origdst-echo answer naming exactly that
-/// destination, each closed with RST. Stops at the deadline. Prints
-/// {"done","ok","mismatch","errors","elapsed_ms","per_sec","first_problem"}.
+/// `probe connect-many ADDR N [--threads T] [--ports P] [--deadline-ms D] [--hold-first ADDR]`:
+/// N short connections (T threads), the i-th to ADDR's port + i % P (so consecutive connections
+/// have different original destinations), each expecting an origdst-echo answer naming exactly
+/// that destination, each closed with RST. Stops at the deadline. With --hold-first, a connection
+/// to that address is opened before the others and kept open; its getpeername after them is
+/// "held_peer". Prints
+/// {"done","ok","mismatch","errors","elapsed_ms","per_sec","first_problem","held_peer"}.
 pub(super) fn connect_many(
     addr: SocketAddr,
     n: u64,
     threads: u64,
     ports: u64,
     deadline: Duration,
+    hold_first: Option<SocketAddr>,
 ) -> i32 {
+    let held = match hold_first.map(|a| open_connected(a, None, None, Duration::from_secs(5))) {
+        Some(Ok(s)) => Some(s),
+        Some(Err(e)) => {
+            print_error("hold-first", &e);
+            return 1;
+        }
+        None => None,
+    };
     use std::sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering::Relaxed},
@@ -435,9 +446,16 @@ pub(super) fn connect_many(
         .unwrap_or_else(|e| e.into_inner())
         .clone()
         .unwrap_or_default();
+    let held_peer = held.map_or_else(
+        || "null".to_string(),
+        |s| match s.peer_addr() {
+            Ok(a) => json_str(&a.to_string()),
+            Err(e) => json_str(&format!("error: {e}")),
+        },
+    );
     println!(
         "{{\"done\":{done},\"ok\":{ok},\"mismatch\":{mismatch},\"errors\":{errors},\
-         \"elapsed_ms\":{},\"per_sec\":{:.0},\"first_problem\":{}}}",
+         \"elapsed_ms\":{},\"per_sec\":{:.0},\"first_problem\":{},\"held_peer\":{held_peer}}}",
         elapsed.as_millis(),
         done as f64 / elapsed.as_secs_f64().max(1e-9),
         json_str(&first)
