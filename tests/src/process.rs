@@ -116,11 +116,7 @@ impl ChildGuard {
 
     /// The first `n` lines of stdout, each a JSON value, waiting up to `within` for them (a
     /// `probe proxy` reporting to `-` prints one per connection).
-    pub fn stdout_json_lines(
-        &self,
-        n: usize,
-        within: std::time::Duration,
-    ) -> Result<Vec<serde_json::Value>> {
+    pub fn stdout_json_lines(&self, n: usize, within: Duration) -> Result<Vec<serde_json::Value>> {
         let deadline = std::time::Instant::now() + within;
         loop {
             let text = self.stdout();
@@ -140,7 +136,7 @@ impl ChildGuard {
                 self.label,
                 lines.len()
             );
-            std::thread::sleep(std::time::Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 

@@ -148,13 +148,21 @@ unsafe fn on_connect(ctx: &SockOpsContext) {
     // SAFETY: `sk` is this context's full socket.
     let orig = unsafe { socket_orig_dst(sk, None) };
     if orig.is_null() {
+        // Read once for the three checks below: this runs for every uncaptured connect.
+        // SAFETY: forwarded from our caller.
+        let Some(key) = (unsafe { client_tuple(ctx) }) else {
+            return;
+        };
+        // A loopback peer arrives on lo, where sk_lookup asks nothing, and is never an ambient
+        // pod's address: only an unclaimed redirect on the same 4-tuple is of interest.
+        if crate::policy::is_loopback(&key.server_addr) {
+            forget_unclaimed_redirect(key);
+            return;
+        }
         // SAFETY: forwarded from our caller.
         unsafe {
-            if forget_unclaimed_redirect(ctx) {
-                return;
-            }
-            on_self_connect(ctx);
-            on_node_connect(ctx);
+            on_self_connect(ctx, key);
+            on_node_connect(ctx, key);
         }
         return;
     }
@@ -179,34 +187,18 @@ fn is_claimed_by_the_proxy(kind: u16) -> bool {
     kind == redirect_kind::OUTBOUND || kind == redirect_kind::DNS
 }
 
-/// An uncaptured connection to a loopback address takes the 4-tuple an earlier captured one may
-/// have published and nobody claimed (its handshake failed): remove that record, or the proxy
-/// accepting this connection would report the old destination rather than netfilter's ENOENT.
-/// Only captured records have a loopback peer, so no other record is touched. Returns whether
-/// the peer is loopback (nothing else to do for such a connection).
-///
-/// # Safety
-/// `ctx` must be a live sock_ops context.
+/// An uncaptured connection to a loopback address (`key`, as its client sees it) takes the
+/// 4-tuple an earlier captured one may have published and nobody claimed (its handshake failed):
+/// remove that record, or the proxy accepting this connection would report the old destination
+/// rather than netfilter's ENOENT. Only captured records have a loopback peer, so no other record
+/// is touched.
 #[inline(always)]
-unsafe fn forget_unclaimed_redirect(ctx: &SockOpsContext) -> bool {
-    // SAFETY: forwarded from our caller.
-    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
-    if !crate::policy::is_loopback(&remote) {
-        return false;
-    }
-    // SAFETY: valid sock_ops context.
-    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+fn forget_unclaimed_redirect(key: TupleKey) {
     // Loopback connections of the node's other namespaces are far more common than a pod's own;
     // a lookup without the bucket lock that a delete takes sets them apart.
-    if SIDESTEP_POD.get_ptr(netns_cookie).is_none() {
-        return true;
+    if SIDESTEP_POD.get_ptr(key.netns_cookie).is_some() {
+        let _ = SIDESTEP_PEND.remove(key);
     }
-    let _ = SIDESTEP_PEND.remove(TupleKey::new(
-        netns_cookie,
-        (local, local_port),
-        (remote, remote_port),
-    ));
-    true
 }
 
 /// A socket of an enrolled pod connecting to one of the pod's own addresses: record its 4-tuple
@@ -217,23 +209,18 @@ unsafe fn forget_unclaimed_redirect(ctx: &SockOpsContext) -> bool {
 /// connections from a loopback source (the proxy's hand-off from 127.0.0.6) are recorded. The
 /// record goes with the socket's close, as a redirected client's does.
 ///
+/// `key` is the connection as its client sees it, with a peer that is not loopback.
+///
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
-unsafe fn on_self_connect(ctx: &SockOpsContext) {
+unsafe fn on_self_connect(ctx: &SockOpsContext, key: TupleKey) {
     // SAFETY: 4-byte context field.
     let family = unsafe { load(&raw const (*ctx.ops).family) };
     if family != u32::from(linux::AF_INET6) && family != u32::from(linux::AF_INET) {
         return;
     }
-    // SAFETY: forwarded from our caller.
-    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
-    // A loopback peer arrives on lo, where sk_lookup asks nothing.
-    if crate::policy::is_loopback(&remote) {
-        return;
-    }
-    // SAFETY: valid sock_ops context.
-    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let (netns_cookie, local, remote) = (key.netns_cookie, key.client_addr, key.server_addr);
     let ipv4 = sidestep_abi::is_v4_mapped(&remote);
     if ipv4 {
         if !crate::policy::is_loopback(&local)
@@ -260,10 +247,9 @@ unsafe fn on_self_connect(ctx: &SockOpsContext) {
             return;
         }
     }
-    let key = TupleKey::new(netns_cookie, (local, local_port), (remote, remote_port));
     let record = OrigDst {
         addr: remote,
-        port_be: remote_port.to_be(),
+        port_be: key.server_port.to_be(),
         kind: redirect_kind::LOCAL_SELF,
         family: if ipv4 {
             linux::AF_INET
@@ -286,18 +272,19 @@ unsafe fn on_self_connect(ctx: &SockOpsContext) {
 /// # Safety
 /// `ctx` must be a live sock_ops context.
 #[inline(always)]
-unsafe fn on_node_connect(ctx: &SockOpsContext) {
-    // SAFETY: valid sock_ops context.
-    if !crate::ambient::is_node_netns(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }) {
+unsafe fn on_node_connect(ctx: &SockOpsContext, key: TupleKey) {
+    if !crate::ambient::is_node_netns(key.netns_cookie) {
         return;
     }
-    // SAFETY: forwarded from our caller.
-    let (local, local_port, remote, remote_port) = unsafe { endpoints(ctx.ops) };
     // SAFETY: 4-byte context field.
     let family = unsafe { load(&raw const (*ctx.ops).family) } as u16;
-    let Some((key, record)) =
-        crate::ambient::node_socket_record(local, local_port, remote, remote_port, family)
-    else {
+    let Some((key, record)) = crate::ambient::node_socket_record(
+        key.client_addr,
+        key.client_port,
+        key.server_addr,
+        key.server_port,
+        family,
+    ) else {
         return;
     };
     if SIDESTEP_PEND.insert(key, record, 0).is_ok() {
